@@ -1,0 +1,3 @@
+//! kvx-bench: a load generator for OpenAI-compatible endpoints, and micro-benchmarks.
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,3 @@
+//! kvx-discovery: who is alive (embedded, static file, etcd).
+
+#![forbid(unsafe_code)]

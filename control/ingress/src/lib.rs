@@ -1,0 +1,3 @@
+//! kvx-ingress: the OpenAI-compatible HTTP/SSE front door.
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,3 @@
+//! kvx-planner: the SLA planner (load prediction, pool sizing, connectors).
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,3 @@
+//! kvx-tokenizer: tokenizers and chat templates built from model metadata.
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,3 @@
+//! kvx-engine: the serving engine (sans-IO scheduler, block pool and prefix cache, sampler, model runner).
+
+#![forbid(unsafe_code)]

@@ -1,0 +1,1 @@
+//! kvx-xfer: the KV transfer library (agents, registered regions, descriptor lists, backends).
