@@ -1,0 +1,4 @@
+//! x86-64 kernels: AVX2 (+FMA, F16C) and AVX-512 with VNNI.
+
+pub(crate) mod avx2;
+pub(crate) mod avx512;

@@ -1,0 +1,183 @@
+//! CPU kernel dispatch: the instruction-set level is detected once and a table of kernel
+//! function pointers is built for it; callers hold `&'static Kernels` and never re-check.
+//!
+//! Layout: [`reference`] holds the scalar twins (the portable path and the oracle every
+//! SIMD kernel is tested against); `arch/x86_64/{avx2,avx512}` hold the SIMD kernels.
+//! A table for a level is only ever built after the CPU has been seen to support it, which
+//! is what makes the safe wrappers around `#[target_feature]` functions sound.
+
+pub mod reference;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod arch;
+
+use std::sync::OnceLock;
+
+use half::f16;
+
+use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use crate::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
+
+/// An instruction-set level with its own kernel table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdLevel {
+    /// Portable scalar code (always available).
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 F/BW/DQ/VL + VNNI (plus everything in `Avx2`).
+    Avx512,
+}
+
+impl SimdLevel {
+    /// Every level, lowest first.
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+
+    /// The name used on the command line and in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+
+    /// Parses [`SimdLevel::name`].
+    pub fn from_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|l| l.name() == s)
+    }
+
+    /// Whether this CPU can run kernels of this level.
+    pub fn is_supported(self) -> bool {
+        match self {
+            SimdLevel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => {
+                std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => {
+                SimdLevel::Avx2.is_supported()
+                    && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512dq")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The best level this CPU supports.
+    pub fn detect() -> SimdLevel {
+        Self::ALL.into_iter().rev().find(|l| l.is_supported()).unwrap_or(SimdLevel::Scalar)
+    }
+}
+
+impl std::fmt::Display for SimdLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The kernel table for one [`SimdLevel`].
+///
+/// Slices passed to the dot products must have equal block counts; the kernels check this
+/// with `debug_assert!` only, because callers (matmul) validate shapes once per matrix.
+#[derive(Debug, Clone, Copy)]
+pub struct Kernels {
+    /// The level this table was built for.
+    pub level: SimdLevel,
+    /// f32 → `Q8_0` activations.
+    pub quantize_q8_0: fn(&[f32], &mut [BlockQ8_0]),
+    /// f32 → `Q8_1` activations.
+    pub quantize_q8_1: fn(&[f32], &mut [BlockQ8_1]),
+    /// f32 → `Q8_K` activations.
+    pub quantize_q8_k: fn(&[f32], &mut [BlockQ8K]),
+    /// `Q4_0` · `Q8_0`.
+    pub dot_q4_0_q8_0: fn(&[BlockQ4_0], &[BlockQ8_0]) -> f32,
+    /// `Q4_1` · `Q8_1`.
+    pub dot_q4_1_q8_1: fn(&[BlockQ4_1], &[BlockQ8_1]) -> f32,
+    /// `Q8_0` · `Q8_0`.
+    pub dot_q8_0_q8_0: fn(&[BlockQ8_0], &[BlockQ8_0]) -> f32,
+    /// `Q4_K` · `Q8_K`.
+    pub dot_q4_k_q8_k: fn(&[BlockQ4K], &[BlockQ8K]) -> f32,
+    /// `Q6_K` · `Q8_K`.
+    pub dot_q6_k_q8_k: fn(&[BlockQ6K], &[BlockQ8K]) -> f32,
+    /// f16 · f16, accumulated in f32.
+    pub dot_f16: fn(&[f16], &[f16]) -> f32,
+    /// bf16 · bf16 (raw `u16` bit patterns), accumulated in f32.
+    pub dot_bf16: fn(&[u16], &[u16]) -> f32,
+    /// f32 · f32.
+    pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// f32 → f16, round to nearest even.
+    pub f32_to_f16: fn(&[f32], &mut [f16]),
+    /// f32 → bf16 bit patterns, round to nearest even.
+    pub f32_to_bf16: fn(&[f32], &mut [u16]),
+    /// f16 → f32.
+    pub f16_to_f32: fn(&[f16], &mut [f32]),
+    /// `y += a * x` with `x` in f16.
+    pub axpy_f16: fn(f32, &[f16], &mut [f32]),
+    /// `out = x / rms(x) * w` (ggml's `rms_norm` followed by `mul`).
+    pub rmsnorm: fn(&[f32], &[f32], f32, &mut [f32]),
+    /// In-place `x = softmax(x * scale)`; returns nothing, `x` must be non-empty.
+    pub softmax: fn(&mut [f32], f32),
+    /// `out = silu(gate) * up`.
+    pub swiglu: fn(&[f32], &[f32], &mut [f32]),
+}
+
+impl Kernels {
+    /// The table for `level`, or `None` if this CPU does not support it.
+    pub fn for_level(level: SimdLevel) -> Option<Kernels> {
+        if !level.is_supported() {
+            return None;
+        }
+        Some(match level {
+            SimdLevel::Scalar => reference::KERNELS,
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => arch::x86_64::avx2::kernels(),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => arch::x86_64::avx512::kernels(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => return None,
+        })
+    }
+}
+
+static ACTIVE: OnceLock<Kernels> = OnceLock::new();
+
+/// The process-wide kernel table: the best level this CPU supports, unless
+/// [`select`] chose another before first use.
+pub fn kernels() -> &'static Kernels {
+    ACTIVE.get_or_init(|| {
+        Kernels::for_level(SimdLevel::detect()).unwrap_or(reference::KERNELS)
+    })
+}
+
+/// Errors from [`select`].
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SelectError {
+    /// The CPU lacks the instructions of the requested level.
+    #[error("this CPU does not support the {0} kernels")]
+    Unsupported(SimdLevel),
+    /// The table was already fixed (by an earlier call or first use).
+    #[error("kernel level already fixed to {0}")]
+    AlreadySet(SimdLevel),
+}
+
+/// Fixes the process-wide kernel level. Must run before the first [`kernels`] call.
+pub fn select(level: SimdLevel) -> Result<&'static Kernels, SelectError> {
+    let table = Kernels::for_level(level).ok_or(SelectError::Unsupported(level))?;
+    let mut fresh = false;
+    let k = ACTIVE.get_or_init(|| {
+        fresh = true;
+        table
+    });
+    if !fresh && k.level != level {
+        return Err(SelectError::AlreadySet(k.level));
+    }
+    Ok(k)
+}

@@ -1,0 +1,1 @@
+//! The llama-family forward pass.

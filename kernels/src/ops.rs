@@ -1,0 +1,348 @@
+//! Tensor operations built from the dispatched kernels: quantized matrix × vector/matrix,
+//! activation quantization, rotary embedding and attention over a paged f16 KV cache.
+//!
+//! These functions allocate nothing; callers own all buffers (scratch is sized once).
+
+use bytemuck::Pod;
+use half::f16;
+
+use crate::KernelError;
+use crate::cpu::Kernels;
+use crate::par::{ThreadPool, split_range};
+use crate::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
+use crate::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
+
+/// A read-only weight matrix of `rows` × `cols` in a ggml type, rows contiguous (ggml's
+/// `ne0 = cols`, `ne1 = rows`), usually borrowed straight from a memory-mapped GGUF file.
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    ty: GgmlType,
+    act_ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Checks that `data` holds exactly `rows` rows of `cols` elements of `ty`, aligned for
+    /// its blocks, and that kvx has kernels for `ty`.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, KernelError> {
+        let act_ty = quant::vec_dot_type(ty).ok_or(KernelError::UnsupportedType(ty))?;
+        if !quant::is_supported_weight(ty) {
+            return Err(KernelError::UnsupportedType(ty));
+        }
+        let row_bytes = ty
+            .row_size(cols as u64)
+            .ok_or(KernelError::Shape("row length is not a whole number of blocks"))?
+            as usize;
+        if row_bytes.checked_mul(rows) != Some(data.len()) {
+            return Err(KernelError::Shape("matrix data size does not match its shape"));
+        }
+        if data.as_ptr().align_offset(block_align(ty)) != 0 {
+            return Err(KernelError::Shape("matrix data is not aligned for its block type"));
+        }
+        Ok(QMatrix { ty, act_ty, rows, cols, row_bytes, data })
+    }
+
+    /// Element type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// The type activations must be quantized to (see [`quantize_activations`]).
+    pub fn act_ty(&self) -> GgmlType {
+        self.act_ty
+    }
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The bytes of row `r`.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+    /// Dequantizes row `r` into `out` (`out.len() == cols`).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if r >= self.rows || out.len() != self.cols {
+            return Err(KernelError::Shape("row index or output length out of range"));
+        }
+        quant::dequantize_row(self.ty, self.row(r), out).map_err(KernelError::Quant)
+    }
+}
+
+fn block_align(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::F32 | GgmlType::Q8_K => 4,
+        _ => 2,
+    }
+}
+
+/// Bytes needed to hold `n_rows` activation rows of `cols` elements quantized for `act_ty`.
+pub fn activation_bytes(act_ty: GgmlType, cols: usize, n_rows: usize) -> Option<usize> {
+    Some(act_ty.row_size(cols as u64)? as usize * n_rows)
+}
+
+/// Quantizes `n_rows` rows of `cols` floats (`x.len() == n_rows * cols`) into `out` in the
+/// activation type `act_ty`; returns the used prefix of `out`.
+pub fn quantize_activations<'o>(
+    k: &Kernels,
+    act_ty: GgmlType,
+    x: &[f32],
+    cols: usize,
+    out: &'o mut [u8],
+) -> Result<&'o [u8], KernelError> {
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(KernelError::Shape("activation length is not a multiple of cols"));
+    }
+    let n_rows = x.len() / cols;
+    let row = act_ty.row_size(cols as u64).ok_or(KernelError::Shape("cols not whole blocks"))?
+        as usize;
+    let need = row * n_rows;
+    if out.len() < need || out.as_ptr().align_offset(4) != 0 {
+        return Err(KernelError::Shape("activation buffer too small or misaligned"));
+    }
+    let out = &mut out[..need];
+    let bad = KernelError::Shape("activation buffer misaligned");
+    for (src, dst) in x.chunks_exact(cols).zip(out.chunks_exact_mut(row)) {
+        match act_ty {
+            GgmlType::Q8_0 => (k.quantize_q8_0)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
+            GgmlType::Q8_1 => (k.quantize_q8_1)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
+            GgmlType::Q8_K => (k.quantize_q8_k)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
+            GgmlType::F16 => (k.f32_to_f16)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
+            GgmlType::BF16 => (k.f32_to_bf16)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
+            GgmlType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
+            other => return Err(KernelError::UnsupportedType(other)),
+        }
+    }
+    Ok(out)
+}
+
+/// A raw output pointer shared by threads that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: used only by `matmul`, whose threads write disjoint index sets.
+unsafe impl Sync for SharedOut {}
+// SAFETY: as above.
+unsafe impl Send for SharedOut {}
+
+/// `out[t][r] = W[r] · x[t]` for `t < n_tok`, `r < w.rows()`: `xq` holds `n_tok` activation
+/// rows already quantized for `w.act_ty()`, `out` is `n_tok × w.rows()` row-major.
+/// Rows are split across the pool's threads; each weight row is read once for all tokens.
+pub fn matmul(
+    k: &Kernels,
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    xq: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let act_row = w.act_ty.row_size(w.cols as u64).unwrap_or(0) as usize;
+    if xq.len() != act_row * n_tok || out.len() != n_tok * w.rows {
+        return Err(KernelError::Shape("matmul operand sizes do not match"));
+    }
+    if n_tok == 0 {
+        return Ok(());
+    }
+    let shared = SharedOut(out.as_mut_ptr());
+    let job = |i: usize, n: usize| {
+        let rows = split_range(w.rows, i, n, 4);
+        let shared = shared;
+        // SAFETY: thread `i` writes only rows in its own `split_range`, disjoint from every
+        // other thread's, and `out` outlives `pool.run` (which waits for all threads).
+        let out = unsafe { std::slice::from_raw_parts_mut(shared.0, n_tok * w.rows) };
+        matmul_rows(k, w, xq, act_row, n_tok, rows, out);
+    };
+    pool.run(&job);
+    Ok(())
+}
+
+/// The serial kernel of [`matmul`] over a range of rows.
+fn matmul_rows(
+    k: &Kernels,
+    w: &QMatrix<'_>,
+    xq: &[u8],
+    act_row: usize,
+    n_tok: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    match w.ty {
+        GgmlType::Q4_0 => rows_typed::<BlockQ4_0, BlockQ8_0>(k.dot_q4_0_q8_0, w, xq, act_row, n_tok, rows, out),
+        GgmlType::Q4_1 => rows_typed::<BlockQ4_1, BlockQ8_1>(k.dot_q4_1_q8_1, w, xq, act_row, n_tok, rows, out),
+        GgmlType::Q8_0 => rows_typed::<BlockQ8_0, BlockQ8_0>(k.dot_q8_0_q8_0, w, xq, act_row, n_tok, rows, out),
+        GgmlType::Q4_K => rows_typed::<BlockQ4K, BlockQ8K>(k.dot_q4_k_q8_k, w, xq, act_row, n_tok, rows, out),
+        GgmlType::Q6_K => rows_typed::<BlockQ6K, BlockQ8K>(k.dot_q6_k_q8_k, w, xq, act_row, n_tok, rows, out),
+        GgmlType::F16 => rows_typed::<f16, f16>(k.dot_f16, w, xq, act_row, n_tok, rows, out),
+        GgmlType::BF16 => rows_typed::<u16, u16>(k.dot_bf16, w, xq, act_row, n_tok, rows, out),
+        GgmlType::F32 => rows_typed::<f32, f32>(k.dot_f32, w, xq, act_row, n_tok, rows, out),
+        // `QMatrix::new` admits only the types above.
+        _ => {}
+    }
+}
+
+#[inline]
+fn rows_typed<W: Pod, A: Pod>(
+    dot: fn(&[W], &[A]) -> f32,
+    w: &QMatrix<'_>,
+    xq: &[u8],
+    act_row: usize,
+    n_tok: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    // Alignment and sizes were validated by `QMatrix::new` and `matmul`; a failed cast
+    // leaves the output untouched rather than panicking.
+    let Some(acts) = cast_blocks::<A>(xq) else { return };
+    let per_tok = acts.len() / n_tok;
+    const TILE: usize = 4;
+    let mut r = rows.start;
+    while r < rows.end {
+        let r_end = (r + TILE).min(rows.end);
+        for t in 0..n_tok {
+            let a = &acts[t * per_tok..(t + 1) * per_tok];
+            for rr in r..r_end {
+                let Some(wr) = cast_blocks::<W>(w.row(rr)) else { return };
+                out[t * w.rows + rr] = dot(wr, a);
+            }
+        }
+        r = r_end;
+    }
+    let _ = act_row;
+}
+
+/// Rotary embedding tables for one position: `cos`/`sin` per dimension pair, computed as
+/// ggml does (theta multiplied by `base^(-2/n_dims)` pair after pair, in f32).
+pub fn rope_cache(pos: u32, n_dims: usize, freq_base: f32, freq_factors: Option<&[f32]>, cache: &mut [f32]) {
+    let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
+    let mut theta = pos as f32;
+    for i in 0..n_dims / 2 {
+        let ff = freq_factors.map_or(1.0, |f| f.get(i).copied().unwrap_or(1.0));
+        let t = theta / ff;
+        cache[2 * i] = t.cos();
+        cache[2 * i + 1] = t.sin();
+        theta *= theta_scale;
+    }
+}
+
+/// Applies rope in "normal" mode (adjacent pairs) to the first `n_dims` of `x`.
+pub fn rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize) {
+    for i in 0..n_dims / 2 {
+        let (c, s) = (cache[2 * i], cache[2 * i + 1]);
+        let (x0, x1) = (x[2 * i], x[2 * i + 1]);
+        x[2 * i] = x0 * c - x1 * s;
+        x[2 * i + 1] = x0 * s + x1 * c;
+    }
+}
+
+/// Applies rope in "NeoX" mode (pairs `i`, `i + n_dims/2`) to the first `n_dims` of `x`.
+pub fn rope_neox(x: &mut [f32], cache: &[f32], n_dims: usize) {
+    let h = n_dims / 2;
+    for i in 0..h {
+        let (c, s) = (cache[2 * i], cache[2 * i + 1]);
+        let (x0, x1) = (x[i], x[i + h]);
+        x[i] = x0 * c - x1 * s;
+        x[i + h] = x0 * s + x1 * c;
+    }
+}
+
+/// One sequence's keys or values for one KV head, spread over fixed-size blocks.
+///
+/// `data` is a layer's whole cache laid out `[block][kv_head][slot][head_dim]`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedHead<'a> {
+    /// The layer's cache.
+    pub data: &'a [f16],
+    /// Blocks of the sequence, in position order.
+    pub block_table: &'a [u32],
+    /// Token slots per block.
+    pub block_size: usize,
+    /// KV heads per block.
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Which KV head.
+    pub kv_head: usize,
+}
+
+impl<'a> PagedHead<'a> {
+    /// The row of position `p`, or `None` if the block table or cache is too short.
+    #[inline]
+    pub fn row(&self, p: usize) -> Option<&'a [f16]> {
+        let block = *self.block_table.get(p / self.block_size)? as usize;
+        let slot = p % self.block_size;
+        let start = ((block * self.n_kv_heads + self.kv_head) * self.block_size + slot) * self.head_dim;
+        self.data.get(start..start + self.head_dim)
+    }
+}
+
+/// Causal attention of one query head over positions `0..n_pos` of a paged cache, with
+/// ggml's precision choices: the query is rounded to f16 before `q·k`, the softmax runs in
+/// f32 (sum in f64), and the probabilities are rounded to f16 before weighting `v`.
+///
+/// `q16` is scratch of `head_dim`, `scores` scratch of at least `n_pos`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    k: &Kernels,
+    q: &[f32],
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+    q16: &mut [f16],
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let hd = keys.head_dim;
+    if q.len() != hd || out.len() != values.head_dim || q16.len() < hd || scores.len() < n_pos || n_pos == 0 {
+        return Err(KernelError::Shape("attention operand sizes do not match"));
+    }
+    (k.f32_to_f16)(q, &mut q16[..hd]);
+    let scores = &mut scores[..n_pos];
+    for (p, s) in scores.iter_mut().enumerate() {
+        let kr = keys.row(p).ok_or(KernelError::Shape("block table shorter than the sequence"))?;
+        *s = (k.dot_f16)(&q16[..hd], kr);
+    }
+    (k.softmax)(scores, scale);
+    out.fill(0.0);
+    for (p, &w) in scores.iter().enumerate() {
+        let vr = values.row(p).ok_or(KernelError::Shape("block table shorter than the sequence"))?;
+        (k.axpy_f16)(f16::from_f32(w).to_f32(), vr, out);
+    }
+    Ok(())
+}
+
+/// Reference twin of [`attention`]: plain f64 arithmetic on the same f16 data.
+pub fn attention_reference(
+    q: &[f32],
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let err = KernelError::Shape("block table shorter than the sequence");
+    let mut s = Vec::with_capacity(n_pos);
+    for p in 0..n_pos {
+        let kr = keys.row(p).ok_or(err)?;
+        let d: f64 = q.iter().zip(kr).map(|(&a, b)| f64::from(a) * f64::from(b.to_f32())).sum();
+        s.push(d * f64::from(scale));
+    }
+    let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = s.iter().map(|v| (v - max).exp()).sum();
+    let mut acc = vec![0.0f64; out.len()];
+    for (p, v) in s.iter().enumerate() {
+        let w = (v - max).exp() / sum;
+        let vr = values.row(p).ok_or(err)?;
+        for (a, x) in acc.iter_mut().zip(vr) {
+            *a += w * f64::from(x.to_f32());
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = a as f32;
+    }
+    Ok(())
+}
