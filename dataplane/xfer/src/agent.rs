@@ -1,0 +1,743 @@
+//! The agent: one per process (or per shard), owning registered regions, known remotes, the
+//! in-flight transfer table and the backend engines.
+
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::desc::{Desc, Op, pair_lengths};
+use crate::error::{Result, XferError};
+use crate::meta::{AgentMetadata, RegionInfo, host_id};
+use crate::region::{self, AppendTable, DIRECT_IO_ALIGN, HugePages, Region, RegionId, RegionKind};
+use crate::shm::{self, LocalPeer, PeerRegion, ShmJob};
+use crate::slots::{Notif, NotifBuf, NotifQueue, SlotTable, XferStatus};
+use crate::uring::{self, UJob};
+
+/// Most regions one agent can register.
+pub const MAX_REGIONS: usize = 1024;
+/// Most remote agents one agent can know.
+pub const MAX_REMOTES: usize = 256;
+/// Size of one io_uring registered-buffer chunk (the kernel caps a fixed buffer at 1 GiB).
+pub(crate) const BUF_CHUNK: u64 = 1 << 30;
+
+/// Which mechanism moves the bytes of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Backend {
+    /// Same host: the initiator maps the remote's memfd regions once and copies directly.
+    Shm,
+    /// Any host: frames over a TCP connection driven by io_uring.
+    Tcp,
+    /// Local or same-host file regions: O_DIRECT io_uring reads and writes.
+    File,
+    /// RDMA through ibverbs (feature `rdma`; needs an HCA).
+    Rdma,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = XferError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "shm" => Ok(Backend::Shm),
+            "tcp" => Ok(Backend::Tcp),
+            "file" => Ok(Backend::File),
+            "rdma" => Ok(Backend::Rdma),
+            _ => Err(XferError::Unsupported("backend must be shm, tcp, file or rdma")),
+        }
+    }
+}
+
+/// Plain configuration of an agent (the binary maps its flags onto this).
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Agent name, carried in metadata and notifications.
+    pub name: String,
+    /// Listen for TCP transfers on this address (port 0 = ephemeral); `None` = no listener.
+    pub tcp_listen: Option<SocketAddr>,
+    /// Accept same-host peers (shared memory and file backends) on an abstract Unix socket.
+    pub same_host: bool,
+    /// Bound on transfers in flight (posted and not yet released) at once.
+    pub max_inflight: usize,
+    /// Bound on received notifications not yet taken by the application.
+    pub notif_capacity: usize,
+    /// Hugepage policy for memory regions.
+    pub hugepages: HugePages,
+    /// Blocks at least this large are copied with non-temporal stores on the shm path.
+    pub nt_threshold: usize,
+    /// A transfer not finished after this long fails with [`XferError::Timeout`].
+    pub xfer_timeout: Duration,
+    /// Timeout for connecting and handshaking with a remote.
+    pub connect_timeout: Duration,
+    /// io_uring submission queue entries.
+    pub ring_entries: u32,
+}
+
+impl AgentConfig {
+    /// Defaults: TCP on an ephemeral loopback port, same-host channel on, 1024 in flight.
+    pub fn new(name: impl Into<String>) -> Self {
+        AgentConfig {
+            name: name.into(),
+            tcp_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            same_host: true,
+            max_inflight: 1024,
+            notif_capacity: 4096,
+            hugepages: HugePages::Auto,
+            nt_threshold: 64 << 10,
+            xfer_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            ring_entries: 256,
+        }
+    }
+}
+
+/// Identifies a remote agent known to this agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteId(pub(crate) u32);
+
+/// A reference to a live TCP connection inside the io_uring engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ConnRef {
+    pub(crate) idx: u32,
+    pub(crate) seq: u32,
+}
+
+/// A known remote agent.
+#[derive(Debug)]
+pub(crate) struct Remote {
+    pub(crate) md: AgentMetadata,
+    pub(crate) name: Arc<str>,
+    pub(crate) is_self: bool,
+    pub(crate) alive: AtomicBool,
+    pub(crate) local: Option<LocalPeer>,
+    pub(crate) tcp: Mutex<Option<ConnRef>>,
+}
+
+impl Remote {
+    pub(crate) fn gone(&self) -> XferError {
+        XferError::RemoteGone(self.name.to_string())
+    }
+}
+
+/// State shared by the agent handle, its engines and its transfer handles.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) cfg: AgentConfig,
+    pub(crate) name: Arc<str>,
+    pub(crate) instance: u64,
+    pub(crate) host: u64,
+    pub(crate) regions: AppendTable<Region>,
+    pub(crate) remotes: AppendTable<Remote>,
+    pub(crate) slots: SlotTable,
+    pub(crate) notifs: NotifQueue,
+    pub(crate) shutdown: AtomicBool,
+    pub(crate) unix_name: Option<String>,
+    pub(crate) tcp_addr: Mutex<Option<SocketAddr>>,
+    pub(crate) uring_wake: OwnedFd,
+    pub(crate) uring_sleeping: AtomicBool,
+    pub(crate) ctl_wake: OwnedFd,
+    pub(crate) ctl_watch: Mutex<Vec<(OwnedFd, u32)>>,
+}
+
+pub(crate) fn wake(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to an eventfd we own.
+    let _ = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
+}
+
+pub(crate) fn eventfd() -> Result<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain syscall.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(XferError::last_os("eventfd"));
+    }
+    // SAFETY: fresh fd owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+impl Shared {
+    pub(crate) fn remote(&self, id: u32) -> Result<&Remote> {
+        self.remotes.get(id).ok_or(XferError::UnknownRemote)
+    }
+
+    pub(crate) fn region(&self, id: RegionId) -> Result<&Region> {
+        self.regions.get(id.0).ok_or(XferError::UnknownRegion(id.0))
+    }
+
+    pub(crate) fn metadata(&self) -> AgentMetadata {
+        AgentMetadata {
+            name: self.name.to_string(),
+            instance: self.instance,
+            host: self.host,
+            pid: std::process::id(),
+            tcp: *self.tcp_addr.lock().unwrap_or_else(|p| p.into_inner()),
+            unix: self.unix_name.clone(),
+            regions: self
+                .regions
+                .iter()
+                .map(|r| RegionInfo { id: r.id, kind: r.kind(), len: r.len })
+                .collect(),
+        }
+    }
+}
+
+/// One resolved memory segment (local or mapped remote).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MemSeg {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    /// io_uring fixed-buffer index covering this segment (`u16::MAX` when none).
+    pub(crate) buf_index: u16,
+}
+
+/// One resolved file segment.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FileSeg {
+    pub(crate) fixed: u32,
+    pub(crate) off: u64,
+}
+
+/// The resolved, validated form of a descriptor-list pair.
+#[derive(Debug)]
+pub(crate) struct PrepInner {
+    pub(crate) instance: u64,
+    pub(crate) remote: u32,
+    pub(crate) backend: Backend,
+    pub(crate) total: u64,
+    pub(crate) local: Box<[MemSeg]>,
+    pub(crate) remote_mem: Box<[MemSeg]>,
+    pub(crate) remote_file: Box<[FileSeg]>,
+    pub(crate) wire: Box<[u8]>,
+    pub(crate) ndesc: u32,
+}
+
+// SAFETY: the raw pointers point into mappings owned by the agent's append-only tables, which
+// outlive every engine job (engines hold the agent's `Arc<Shared>`); see the crate docs.
+unsafe impl Send for PrepInner {}
+// SAFETY: as above; the struct is immutable after construction.
+unsafe impl Sync for PrepInner {}
+
+/// A pre-validated descriptor-list pair, ready to post any number of times.
+///
+/// Prepping checks regions, bounds, pairing, alignment and backend once, and resolves every
+/// descriptor to a pointer, fixed-buffer index or wire encoding; posting a prepped transfer
+/// allocates nothing.
+#[derive(Debug, Clone)]
+pub struct Prepped {
+    pub(crate) inner: Arc<PrepInner>,
+}
+
+impl Prepped {
+    /// The backend this transfer will use.
+    pub fn backend(&self) -> Backend {
+        self.inner.backend
+    }
+    /// Total bytes moved per post.
+    pub fn bytes(&self) -> u64 {
+        self.inner.total
+    }
+}
+
+/// A posted transfer. Dropping it releases its slot (an unfinished transfer still finishes).
+#[derive(Debug)]
+pub struct XferHandle {
+    shared: Arc<Shared>,
+    idx: u32,
+    seq: u32,
+}
+
+impl XferHandle {
+    /// Current status, without blocking.
+    pub fn status(&self) -> XferStatus {
+        self.shared.slots.status(self.idx, self.seq)
+    }
+
+    /// Block until the transfer finishes or `timeout` passes. `Err(Timeout)` means it is still
+    /// running (the per-transfer deadline of the agent bounds how long that can last).
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        match self.shared.slots.wait(self.idx, self.seq, timeout) {
+            XferStatus::Done => Ok(()),
+            XferStatus::Failed(e) => Err(e),
+            XferStatus::Pending => Err(XferError::Timeout),
+        }
+    }
+
+    /// Cancel. Returns true when the transfer had not started and is now `Cancelled`; false
+    /// when it already runs (the shm backend stops at the next descriptor; TCP and file
+    /// transfers run to their end) or has finished. Either way the handle reports the outcome.
+    pub fn cancel(&self) -> bool {
+        self.shared.slots.cancel(self.idx, self.seq)
+    }
+}
+
+impl Drop for XferHandle {
+    fn drop(&mut self) {
+        self.shared.slots.release(self.idx, self.seq);
+    }
+}
+
+/// A transfer agent. See the crate docs for the model.
+#[derive(Debug)]
+pub struct Agent {
+    shared: Arc<Shared>,
+    shm_tx: Option<SyncSender<ShmJob>>,
+    uring_tx: Option<SyncSender<UJob>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Agent {
+    /// Start an agent: its same-host listener, io_uring engine and copy thread.
+    pub fn new(cfg: AgentConfig) -> Result<Agent> {
+        let instance = random_u64();
+        let unix_name =
+            cfg.same_host.then(|| format!("kvx-xfer.{}.{instance:016x}", std::process::id()));
+        let shared = Arc::new(Shared {
+            name: Arc::from(cfg.name.as_str()),
+            instance,
+            host: host_id(),
+            regions: AppendTable::new(MAX_REGIONS),
+            remotes: AppendTable::new(MAX_REMOTES),
+            slots: SlotTable::new(cfg.max_inflight),
+            notifs: NotifQueue::new(cfg.notif_capacity),
+            shutdown: AtomicBool::new(false),
+            unix_name,
+            tcp_addr: Mutex::new(None),
+            uring_wake: eventfd()?,
+            uring_sleeping: AtomicBool::new(false),
+            ctl_wake: eventfd()?,
+            ctl_watch: Mutex::new(Vec::new()),
+            cfg,
+        });
+        let mut agent =
+            Agent { shared: shared.clone(), shm_tx: None, uring_tx: None, threads: vec![] };
+        let (utx, uth) = uring::start(shared.clone())?;
+        agent.uring_tx = Some(utx);
+        agent.threads.push(uth);
+        let (stx, sth) = shm::start_copier(shared.clone())?;
+        agent.shm_tx = Some(stx);
+        agent.threads.push(sth);
+        if let Some(name) = &shared.unix_name {
+            let listener = shm::listen(name)?;
+            let th = shm::start_control(shared.clone(), listener)?;
+            agent.threads.push(th);
+        }
+        Ok(agent)
+    }
+
+    /// This agent's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// Metadata to publish through discovery (regions registered so far and endpoints).
+    pub fn metadata(&self) -> AgentMetadata {
+        self.shared.metadata()
+    }
+
+    /// Allocate and register `len` bytes of host memory (memfd, hugepages per config).
+    pub fn alloc_mem(&self, len: u64) -> Result<RegionId> {
+        let idx = self.shared.regions.push_with(XferError::Full("region table"), |i| {
+            let mut r = region::alloc_mem(RegionId(i), len, self.shared.cfg.hugepages)?;
+            let ptr = r.mem_ptr().ok_or(XferError::Protocol("memory region without mapping"))?;
+            r.uring_idx = self.uring_call(|reply| UJob::RegMem { ptr, len: r.len, reply })?;
+            Ok(r)
+        })?;
+        Ok(RegionId(idx))
+    }
+
+    /// Register `len` bytes of the file at `path` from file offset `base` (O_DIRECT; both
+    /// multiples of 4096). The file is created or grown as needed.
+    pub fn register_file(&self, path: &Path, base: u64, len: u64) -> Result<RegionId> {
+        let idx = self.shared.regions.push_with(XferError::Full("region table"), |i| {
+            let mut r = region::open_file(RegionId(i), path, base, len)?;
+            let fd = r.fd();
+            r.uring_idx = self.uring_call(|reply| UJob::RegFile { fd, reply })?;
+            Ok(r)
+        })?;
+        Ok(RegionId(idx))
+    }
+
+    /// Whether a memory region landed on hugetlb pages.
+    pub fn is_huge(&self, id: RegionId) -> Result<bool> {
+        Ok(self.shared.region(id)?.is_huge())
+    }
+
+    /// Base pointer and length of a local memory region.
+    ///
+    /// The mapping is shared with peers that may read or write it at any time; access it only
+    /// through raw pointer reads and writes, synchronised by your own protocol (for example
+    /// "a WRITE's bytes are complete once its notification arrives").
+    pub fn mem_ptr(&self, id: RegionId) -> Result<(*mut u8, u64)> {
+        let r = self.shared.region(id)?;
+        let p = r.mem_ptr().ok_or(XferError::Unsupported("not a memory region"))?;
+        Ok((p, r.len))
+    }
+
+    /// Copy `src` into local memory at `d` (bounds-checked).
+    pub fn write_local(&self, d: Desc, src: &[u8]) -> Result<()> {
+        let (p, len) = self.mem_ptr(d.region)?;
+        if src.len() as u64 != d.len {
+            return Err(XferError::Mismatch("buffer length differs from descriptor"));
+        }
+        d.check_bounds(len)?;
+        let off = region::to_usize(d.offset)?;
+        // SAFETY: `d` lies within the mapping (checked above).
+        let dst = unsafe { p.add(off) };
+        // SAFETY: `dst..+len` is inside the mapping and `src` is a distinct Rust slice; raw
+        // copies into shared memory are the documented access mode.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
+
+    /// Copy local memory at `d` into `dst` (bounds-checked).
+    pub fn read_local(&self, d: Desc, dst: &mut [u8]) -> Result<()> {
+        let (p, len) = self.mem_ptr(d.region)?;
+        if dst.len() as u64 != d.len {
+            return Err(XferError::Mismatch("buffer length differs from descriptor"));
+        }
+        d.check_bounds(len)?;
+        let off = region::to_usize(d.offset)?;
+        // SAFETY: `d` lies within the mapping (checked above).
+        let src = unsafe { p.add(off) };
+        // SAFETY: as in `write_local`, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Learn a remote agent from its metadata. On the same host this connects the same-host
+    /// channel and maps the remote's memory regions once. Passing this agent's own metadata
+    /// gives a loopback remote (local file tier, local copies).
+    pub fn add_remote(&self, md: &AgentMetadata) -> Result<RemoteId> {
+        let is_self = md.instance == self.shared.instance;
+        let local = if is_self || md.host != self.shared.host || !self.shared.cfg.same_host {
+            None
+        } else if let Some(unix) = &md.unix {
+            match shm::connect_peer(&self.shared, unix, md, |fd| {
+                self.uring_call(|reply| UJob::RegFile { fd, reply })
+            }) {
+                Ok(p) => Some(p),
+                Err(e) if e.is_remote_gone() => return Err(e),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
+        let watch = local.as_ref().map(|p| p.watch_fd()).transpose()?;
+        let idx = self.shared.remotes.push_with(XferError::Full("remote table"), |_| {
+            Ok(Remote {
+                md: md.clone(),
+                name: Arc::from(md.name.as_str()),
+                is_self,
+                alive: AtomicBool::new(true),
+                local,
+                tcp: Mutex::new(None),
+            })
+        })?;
+        if let Some(w) = watch {
+            self.shared.ctl_watch.lock().unwrap_or_else(|p| p.into_inner()).push((w, idx));
+            wake(&self.shared.ctl_wake);
+        }
+        Ok(RemoteId(idx))
+    }
+
+    /// Whether the remote is believed alive (false once its process or connection is gone).
+    pub fn remote_alive(&self, r: RemoteId) -> bool {
+        self.shared.remote(r.0).is_ok_and(|r| r.alive.load(Ordering::Acquire))
+    }
+
+    /// Ask the agent listening on `addr` for its metadata over TCP.
+    pub fn fetch_metadata(addr: SocketAddr, timeout: Duration) -> Result<AgentMetadata> {
+        uring::fetch_metadata(addr, timeout)
+    }
+
+    /// Validate and resolve a descriptor-list pair for repeated posting. `backend` overrides
+    /// the choice by locality (file regions → File; same host → Shm; else Tcp).
+    pub fn prep(
+        &self,
+        remote: RemoteId,
+        local: &[Desc],
+        remote_descs: &[Desc],
+        backend: Option<Backend>,
+    ) -> Result<Prepped> {
+        let sh = &*self.shared;
+        let rem = sh.remote(remote.0)?;
+        let total = pair_lengths(local, remote_descs)?;
+        let file_side =
+            remote_descs.first().map(|d| self.remote_kind(rem, d.region)).transpose()?;
+        let backend = match backend {
+            Some(b) => b,
+            None if file_side == Some(RegionKind::File) => Backend::File,
+            None if rem.is_self || rem.local.is_some() => Backend::Shm,
+            None => Backend::Tcp,
+        };
+        // Local side: always registered memory.
+        let mut lsegs = Vec::with_capacity(local.len());
+        for d in local {
+            let r = sh.region(d.region)?;
+            d.check_bounds(r.len)?;
+            let base = r
+                .mem_ptr()
+                .ok_or(XferError::Unsupported("local descriptors must name memory regions"))?;
+            lsegs.push((r, *d, base));
+        }
+        let mk_mem = |base: *mut u8, d: &Desc, buf_index: u16| -> Result<MemSeg> {
+            let off = region::to_usize(d.offset)?;
+            // SAFETY: `d` was bounds-checked against the mapping `base` belongs to.
+            let ptr = unsafe { base.add(off) };
+            Ok(MemSeg { ptr, len: region::to_usize(d.len)?, buf_index })
+        };
+        let mut inner = PrepInner {
+            instance: sh.instance,
+            remote: remote.0,
+            backend,
+            total,
+            local: Box::new([]),
+            remote_mem: Box::new([]),
+            remote_file: Box::new([]),
+            wire: Box::new([]),
+            ndesc: local.len() as u32,
+        };
+        match backend {
+            Backend::Shm => {
+                let mut l = Vec::with_capacity(local.len());
+                let mut r = Vec::with_capacity(local.len());
+                for ((_, ld, lbase), rd) in lsegs.iter().zip(remote_descs) {
+                    l.push(mk_mem(*lbase, ld, u16::MAX)?);
+                    let (rbase, rlen) = self.remote_mem(rem, rd.region)?;
+                    rd.check_bounds(rlen)?;
+                    if rem.is_self
+                        && ld.region == rd.region
+                        && ld.offset < rd.offset + rd.len
+                        && rd.offset < ld.offset + ld.len
+                    {
+                        return Err(XferError::Mismatch("source and destination overlap"));
+                    }
+                    r.push(mk_mem(rbase, rd, u16::MAX)?);
+                }
+                inner.local = l.into();
+                inner.remote_mem = r.into();
+            }
+            Backend::File => {
+                let mut l = Vec::with_capacity(local.len());
+                let mut f = Vec::with_capacity(local.len());
+                for ((lr, ld, lbase), rd) in lsegs.iter().zip(remote_descs) {
+                    let (fixed, fbase, flen) = self.remote_file(rem, rd.region)?;
+                    rd.check_bounds(flen)?;
+                    for v in [ld.offset, ld.len, rd.offset] {
+                        if !v.is_multiple_of(DIRECT_IO_ALIGN) {
+                            return Err(XferError::Misaligned {
+                                align: DIRECT_IO_ALIGN,
+                                offset: rd.offset,
+                                len: rd.len,
+                            });
+                        }
+                    }
+                    // Split at registered-buffer chunk boundaries.
+                    let mut done = 0u64;
+                    while done < ld.len {
+                        let off = ld.offset + done;
+                        let chunk = off / BUF_CHUNK;
+                        let n = (ld.len - done).min((chunk + 1) * BUF_CHUNK - off);
+                        let idx = u16::try_from(u64::from(lr.uring_idx) + chunk)
+                            .map_err(|_| XferError::Full("registered buffer table"))?;
+                        l.push(mk_mem(*lbase, &Desc::new(ld.region, off, n), idx)?);
+                        f.push(FileSeg { fixed, off: fbase + rd.offset + done });
+                        done += n;
+                    }
+                }
+                inner.local = l.into();
+                inner.remote_file = f.into();
+            }
+            Backend::Tcp => {
+                if rem.is_self {
+                    return Err(XferError::Unsupported("tcp to self"));
+                }
+                let mut l = Vec::with_capacity(local.len());
+                let mut wire = vec![0u8; remote_descs.len() * crate::wire::DESC_LEN];
+                for (i, ((_, ld, lbase), rd)) in lsegs.iter().zip(remote_descs).enumerate() {
+                    l.push(mk_mem(*lbase, ld, u16::MAX)?);
+                    let info =
+                        rem.md.region(rd.region).ok_or(XferError::UnknownRegion(rd.region.0))?;
+                    if info.kind != RegionKind::Mem {
+                        return Err(XferError::Unsupported("tcp moves memory regions only"));
+                    }
+                    rd.check_bounds(info.len)?;
+                    crate::wire::encode_desc(rd, &mut wire[i * crate::wire::DESC_LEN..]);
+                }
+                inner.local = l.into();
+                inner.wire = wire.into();
+                self.ensure_tcp(remote.0, rem)?;
+            }
+            Backend::Rdma => return Err(crate::rdma_unavailable()),
+        }
+        Ok(Prepped { inner: Arc::new(inner) })
+    }
+
+    fn remote_kind(&self, rem: &Remote, id: RegionId) -> Result<RegionKind> {
+        if rem.is_self {
+            return Ok(self.shared.region(id)?.kind());
+        }
+        Ok(rem.md.region(id).ok_or(XferError::UnknownRegion(id.0))?.kind)
+    }
+
+    fn remote_mem(&self, rem: &Remote, id: RegionId) -> Result<(*mut u8, u64)> {
+        if rem.is_self {
+            return self.mem_ptr(id);
+        }
+        let peer =
+            rem.local.as_ref().ok_or(XferError::Unsupported("remote is not on this host"))?;
+        match peer.region(id, &rem.md)? {
+            (len, PeerRegion::Mem(p)) => Ok((p, len)),
+            _ => Err(XferError::Unsupported("remote region is not memory")),
+        }
+    }
+
+    fn remote_file(&self, rem: &Remote, id: RegionId) -> Result<(u32, u64, u64)> {
+        if rem.is_self {
+            let r = self.shared.region(id)?;
+            if r.kind() != RegionKind::File {
+                return Err(XferError::Unsupported(
+                    "file backend needs a file region on the remote side",
+                ));
+            }
+            return Ok((r.uring_idx, r.file_base(), r.len));
+        }
+        let peer =
+            rem.local.as_ref().ok_or(XferError::Unsupported("remote is not on this host"))?;
+        match peer.region(id, &rem.md)? {
+            (len, PeerRegion::File { fixed, base }) => Ok((fixed, base, len)),
+            _ => Err(XferError::Unsupported("file backend needs a file region on the remote side")),
+        }
+    }
+
+    fn ensure_tcp(&self, idx: u32, rem: &Remote) -> Result<()> {
+        let mut g = rem.tcp.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_some() {
+            return if rem.alive.load(Ordering::Acquire) { Ok(()) } else { Err(rem.gone()) };
+        }
+        let addr = rem.md.tcp.ok_or(XferError::Unsupported("remote has no tcp endpoint"))?;
+        let fd = uring::connect(&self.shared, addr, &rem.name, self.shared.cfg.connect_timeout)?;
+        let peer = rem.name.clone();
+        let c = self.uring_call(|reply| UJob::AddConn { fd, remote: idx, peer, reply })?;
+        *g = Some(c);
+        Ok(())
+    }
+
+    fn uring_call<T>(&self, make: impl FnOnce(SyncSender<Result<T>>) -> UJob) -> Result<T> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.send_uring(make(tx))?;
+        rx.recv_timeout(Duration::from_secs(10)).map_err(|_| XferError::Shutdown)?
+    }
+
+    fn send_uring(&self, job: UJob) -> Result<()> {
+        let tx = self.uring_tx.as_ref().ok_or(XferError::Shutdown)?;
+        match tx.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => return Err(XferError::Full("io_uring job queue")),
+            Err(TrySendError::Disconnected(_)) => return Err(XferError::Shutdown),
+        }
+        if self.shared.uring_sleeping.load(Ordering::SeqCst) {
+            wake(&self.shared.uring_wake);
+        }
+        Ok(())
+    }
+
+    /// Post a prepped transfer with an optional notification (≤ 256 bytes) for the remote.
+    pub fn post(&self, op: Op, prepped: &Prepped, notif: &[u8]) -> Result<XferHandle> {
+        let sh = &self.shared;
+        if prepped.inner.instance != sh.instance {
+            return Err(XferError::Mismatch("prepped list belongs to another agent"));
+        }
+        let rem = sh.remote(prepped.inner.remote)?;
+        let notif = NotifBuf::new(notif)?;
+        let (idx, seq) = sh.slots.alloc().ok_or(XferError::Full("in-flight transfer table"))?;
+        let h = XferHandle { shared: self.shared.clone(), idx, seq };
+        if !rem.alive.load(Ordering::Acquire) {
+            sh.slots.complete(idx, seq, Err(rem.gone()));
+            return Ok(h);
+        }
+        let prep = prepped.clone();
+        let sent = match prepped.inner.backend {
+            Backend::Shm => {
+                let tx = self.shm_tx.as_ref().ok_or(XferError::Shutdown)?;
+                tx.try_send(ShmJob { idx, seq, op, prep, notif }).map_err(|e| match e {
+                    TrySendError::Full(_) => XferError::Full("copy queue"),
+                    TrySendError::Disconnected(_) => XferError::Shutdown,
+                })
+            }
+            Backend::Tcp | Backend::File => {
+                self.send_uring(UJob::Xfer { idx, seq, op, prep, notif })
+            }
+            Backend::Rdma => Err(crate::rdma_unavailable()),
+        };
+        if let Err(e) = sent {
+            sh.slots.complete(idx, seq, Err(e));
+        }
+        Ok(h)
+    }
+
+    /// Prep and post in one call (allocates; use [`prep`](Self::prep) + [`post`](Self::post)
+    /// on hot paths).
+    pub fn xfer(
+        &self,
+        op: Op,
+        remote: RemoteId,
+        local: &[Desc],
+        remote_descs: &[Desc],
+        notif: &[u8],
+    ) -> Result<XferHandle> {
+        let p = self.prep(remote, local, remote_descs, None)?;
+        self.post(op, &p, notif)
+    }
+
+    /// Move received notifications into `out`; returns how many.
+    pub fn get_notifs(&self, out: &mut Vec<Notif>) -> usize {
+        self.shared.notifs.drain_into(out)
+    }
+
+    /// Wait up to `timeout` for the next notification.
+    pub fn wait_notif(&self, timeout: Duration) -> Option<Notif> {
+        self.shared.notifs.wait(timeout)
+    }
+
+    /// Slots not in use (capacity minus transfers whose handles or engines still hold them).
+    pub fn free_slots(&self) -> usize {
+        self.shared.slots.free_count()
+    }
+
+    /// Capacity of the in-flight table.
+    pub fn max_inflight(&self) -> usize {
+        self.shared.slots.capacity()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shm_tx = None;
+        self.uring_tx = None;
+        wake(&self.shared.uring_wake);
+        wake(&self.shared.ctl_wake);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+pub(crate) fn random_u64() -> u64 {
+    let mut v = 0u64;
+    // SAFETY: getrandom writes at most 8 bytes into a live u64.
+    let n = unsafe { libc::getrandom((&raw mut v).cast(), 8, 0) };
+    if n != 8 {
+        let t =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        v = t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32);
+    }
+    v
+}

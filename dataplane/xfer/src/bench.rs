@@ -1,0 +1,1 @@
+//! The transfer benchmark behind `kvx bench xfer`: GB/s and latency percentiles per backend.
