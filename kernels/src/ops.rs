@@ -8,6 +8,7 @@ use half::f16;
 
 use crate::KernelError;
 use crate::cpu::Kernels;
+use crate::cpu::exact::SumShape;
 use crate::par::{ThreadPool, split_range};
 use crate::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
 use crate::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
@@ -279,38 +280,110 @@ impl<'a> PagedHead<'a> {
     }
 }
 
+/// Which of ggml's two attention code paths a token's arithmetic follows: multi-token
+/// prompt batches (tinyBLAS matrix products) or single-token steps (`vec_dot_f16`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttnMode {
+    /// A token of a prompt evaluated together with at least one other prompt token.
+    Prefill,
+    /// A token evaluated alone (generated tokens, one-token prompts).
+    Decode,
+}
+
+/// Per-thread working memory of [`attention`].
+#[derive(Debug, Clone)]
+pub struct AttnScratch {
+    q16: Vec<f16>,
+    scores: Vec<f32>,
+    probs: Vec<f16>,
+    classes: Vec<f32>,
+    wide: Vec<f64>,
+}
+
+impl AttnScratch {
+    /// Buffers for heads of `head_dim` over up to `max_ctx` positions.
+    pub fn new(head_dim: usize, max_ctx: usize) -> Self {
+        AttnScratch {
+            q16: vec![f16::ZERO; head_dim],
+            scores: vec![0.0; max_ctx.max(1)],
+            probs: vec![f16::ZERO; max_ctx.max(1)],
+            classes: vec![0.0; 64 * head_dim],
+            wide: vec![0.0; head_dim],
+        }
+    }
+}
+
 /// Causal attention of one query head over positions `0..n_pos` of a paged cache, with
-/// ggml's precision choices: the query is rounded to f16 before `q·k`, the softmax runs in
-/// f32 (sum in f64), and the probabilities are rounded to f16 before weighting `v`.
-///
-/// `q16` is scratch of `head_dim`, `scores` scratch of at least `n_pos`.
+/// ggml's precision and association: the query is rounded to f16 before `q·k`, the softmax
+/// runs in f32 with an f64 sum, the probabilities are rounded to f16 before weighting `v`,
+/// and both matrix products associate as ggml's code path for `mode` does at this level.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     k: &Kernels,
+    mode: AttnMode,
     q: &[f32],
     keys: &PagedHead<'_>,
     values: &PagedHead<'_>,
     n_pos: usize,
     scale: f32,
-    q16: &mut [f16],
-    scores: &mut [f32],
+    sc: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let hd = keys.head_dim;
-    if q.len() != hd || out.len() != values.head_dim || q16.len() < hd || scores.len() < n_pos || n_pos == 0 {
+    if q.len() != hd
+        || out.len() != values.head_dim
+        || sc.q16.len() < hd
+        || sc.scores.len() < n_pos
+        || sc.classes.len() < 64 * values.head_dim
+        || n_pos == 0
+    {
         return Err(KernelError::Shape("attention operand sizes do not match"));
     }
-    (k.f32_to_f16)(q, &mut q16[..hd]);
-    let scores = &mut scores[..n_pos];
+    let missing = KernelError::Shape("block table shorter than the sequence");
+    let (dot, vshape) = match mode {
+        AttnMode::Prefill if values.head_dim % 4 == 0 => (k.dot_f16_gemm, k.attn.prefill),
+        AttnMode::Prefill => (k.dot_f16_gemm, k.attn.decode),
+        AttnMode::Decode => (k.dot_f16, k.attn.decode),
+    };
+    (k.f32_to_f16)(q, &mut sc.q16[..hd]);
+    let scores = &mut sc.scores[..n_pos];
     for (p, s) in scores.iter_mut().enumerate() {
-        let kr = keys.row(p).ok_or(KernelError::Shape("block table shorter than the sequence"))?;
-        *s = (k.dot_f16)(&q16[..hd], kr);
+        *s = dot(&sc.q16[..hd], keys.row(p).ok_or(missing)?);
     }
     (k.softmax)(scores, scale);
-    out.fill(0.0);
-    for (p, &w) in scores.iter().enumerate() {
-        let vr = values.row(p).ok_or(KernelError::Shape("block table shorter than the sequence"))?;
-        (k.axpy_f16)(f16::from_f32(w).to_f32(), vr, out);
+    let probs = &mut sc.probs[..n_pos];
+    (k.f32_to_f16)(scores, probs);
+    let vd = values.head_dim;
+    match vshape {
+        SumShape::SeqF64 => {
+            let wide = &mut sc.wide[..vd];
+            wide.fill(0.0);
+            for (p, w) in probs.iter().enumerate() {
+                let w = w.to_f32();
+                for (a, v) in wide.iter_mut().zip(values.row(p).ok_or(missing)?) {
+                    *a += f64::from(w * v.to_f32());
+                }
+            }
+            for (o, a) in out.iter_mut().zip(wide.iter()) {
+                *o = *a as f32;
+            }
+        }
+        shape @ SumShape::Lanes { .. } => {
+            let step = shape.step();
+            let classes = &mut sc.classes[..step * vd];
+            classes.fill(0.0);
+            for (p, w) in probs.iter().enumerate() {
+                let c = p % step;
+                (k.axpy_f16)(w.to_f32(), values.row(p).ok_or(missing)?, &mut classes[c * vd..(c + 1) * vd]);
+            }
+            let mut lanes = [0.0f32; 64];
+            for (d, o) in out.iter_mut().enumerate() {
+                for (c, l) in lanes[..step].iter_mut().enumerate() {
+                    *l = classes[c * vd + d];
+                }
+                *o = shape.finish(&lanes[..step], 0.0);
+            }
+        }
     }
     Ok(())
 }

@@ -6,6 +6,9 @@
 //! A table for a level is only ever built after the CPU has been seen to support it, which
 //! is what makes the safe wrappers around `#[target_feature]` functions sound.
 
+pub mod exact;
+#[cfg(target_arch = "x86_64")]
+mod exact_x86;
 pub mod reference;
 
 #[cfg(target_arch = "x86_64")]
@@ -107,8 +110,13 @@ pub struct Kernels {
     pub dot_q4_k_q8_k: fn(&[BlockQ4K], &[BlockQ8K]) -> f32,
     /// `Q6_K` · `Q8_K`.
     pub dot_q6_k_q8_k: fn(&[BlockQ6K], &[BlockQ8K]) -> f32,
-    /// f16 · f16, accumulated in f32.
+    /// f16 · f16 with the association of ggml's `vec_dot_f16` at this level.
     pub dot_f16: fn(&[f16], &[f16]) -> f32,
+    /// f16 · f16 with the association of llamafile's tinyBLAS at this level (ggml's
+    /// multi-token f16 matrix products); falls back to `dot_f16` where tinyBLAS would.
+    pub dot_f16_gemm: fn(&[f16], &[f16]) -> f32,
+    /// How `dot_f16` / `dot_f16_gemm` associate, for sums computed outside them.
+    pub attn: exact::AttnShapes,
     /// bf16 · bf16 (raw `u16` bit patterns), accumulated in f32.
     pub dot_bf16: fn(&[u16], &[u16]) -> f32,
     /// f32 · f32.
@@ -119,7 +127,7 @@ pub struct Kernels {
     pub f32_to_bf16: fn(&[f32], &mut [u16]),
     /// f16 → f32.
     pub f16_to_f32: fn(&[f16], &mut [f32]),
-    /// `y += a * x` with `x` in f16.
+    /// `y = fma(a, x, y)` elementwise with `x` in f16 (one rounding per element).
     pub axpy_f16: fn(f32, &[f16], &mut [f32]),
     /// `out = x / rms(x) * w` (ggml's `rms_norm` followed by `mul`).
     pub rmsnorm: fn(&[f32], &[f32], f32, &mut [f32]),
@@ -135,7 +143,7 @@ impl Kernels {
         if !level.is_supported() {
             return None;
         }
-        Some(match level {
+        let mut k = match level {
             SimdLevel::Scalar => reference::KERNELS,
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 => arch::x86_64::avx2::kernels(),
@@ -143,7 +151,9 @@ impl Kernels {
             SimdLevel::Avx512 => arch::x86_64::avx512::kernels(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => return None,
-        })
+        };
+        exact::patch(&mut k);
+        Some(k)
     }
 }
 

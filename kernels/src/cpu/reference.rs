@@ -20,6 +20,11 @@ pub const KERNELS: Kernels = Kernels {
     dot_q4_k_q8_k,
     dot_q6_k_q8_k,
     dot_f16,
+    dot_f16_gemm: dot_f16,
+    attn: super::exact::AttnShapes {
+        decode: super::exact::SumShape::SeqF64,
+        prefill: super::exact::SumShape::SeqF64,
+    },
     dot_bf16,
     dot_f32,
     f32_to_f16,
@@ -152,10 +157,10 @@ pub fn f16_to_f32(x: &[f16], out: &mut [f32]) {
     }
 }
 
-/// `y += a * x`.
+/// `y = fma(a, x, y)`, one rounding per element.
 pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x.to_f32();
+        *y = a.mul_add(x.to_f32(), *y);
     }
 }
 

@@ -1,1 +1,0 @@
-//! The llama-family forward pass.

@@ -1,0 +1,340 @@
+//! The llama-family forward pass over a batch of sequence chunks and a paged KV cache.
+//!
+//! One call runs every chunk of a scheduler step together: each weight matrix is read once
+//! for all tokens of the step, prefill chunks and single decode tokens alike. Arithmetic
+//! follows ggml's CPU backend (activation quantization per weight type, f16 KV cache,
+//! f16-rounded queries and attention probabilities) so tokens track llama.cpp.
+
+use std::sync::Mutex;
+
+use super::{KvCache, LlamaModel, ModelError, RopeKind};
+use crate::cpu::Kernels;
+use crate::ops::{self, AttnMode, AttnScratch, activation_bytes, attention, matmul, quantize_activations};
+use crate::par::{ThreadPool, split_range};
+
+/// The tokens one sequence contributes to a forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// New tokens, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions before it are already in the cache.
+    pub start_pos: usize,
+    /// Blocks holding positions `0..start_pos + tokens.len()`, in order.
+    pub block_table: &'a [u32],
+    /// Whether to produce logits for the last token of the chunk.
+    pub logits: bool,
+    /// Which of ggml's attention code paths the chunk's tokens follow (see [`AttnMode`]).
+    pub mode: AttnMode,
+}
+
+/// Working memory of the forward pass, sized once for a maximum step.
+pub struct Scratch {
+    max_tokens: usize,
+    max_ctx: usize,
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<u32>,
+    rope: Vec<f32>,
+    /// Per token: (chunk index, position).
+    tok: Vec<(u32, u32)>,
+    /// Token rows that produce logits.
+    out_rows: Vec<u32>,
+    out_x: Vec<f32>,
+    per_thread: Vec<Mutex<AttnScratch>>,
+}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scratch")
+            .field("max_tokens", &self.max_tokens)
+            .field("max_ctx", &self.max_ctx)
+            .finish()
+    }
+}
+
+impl Scratch {
+    /// Buffers for steps of up to `max_tokens` tokens over contexts of up to `max_ctx`
+    /// positions, run on `n_threads` threads.
+    pub fn new(model: &LlamaModel, max_tokens: usize, max_ctx: usize, n_threads: usize) -> Self {
+        let c = &model.cfg;
+        let t = max_tokens.max(1);
+        let widest = c.n_embd.max(c.q_dim()).max(c.n_ff);
+        let act_types = model.layers.iter().flat_map(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(|m| m.ty())
+        });
+        let act_bytes = act_types
+            .chain([model.output.ty()])
+            .filter_map(crate::quant::vec_dot_type)
+            .filter_map(|a| activation_bytes(a, widest, t))
+            .max()
+            .unwrap_or(0);
+        Scratch {
+            max_tokens: t,
+            max_ctx,
+            x: vec![0.0; t * c.n_embd],
+            xn: vec![0.0; t * c.n_embd],
+            q: vec![0.0; t * c.q_dim()],
+            k: vec![0.0; t * c.kv_dim()],
+            v: vec![0.0; t * c.kv_dim()],
+            attn: vec![0.0; t * c.q_dim()],
+            gate: vec![0.0; t * c.n_ff],
+            up: vec![0.0; t * c.n_ff],
+            act: vec![0; act_bytes.div_ceil(4)],
+            rope: vec![0.0; t * c.rope_dims],
+            tok: Vec::with_capacity(t),
+            out_rows: Vec::with_capacity(t),
+            out_x: vec![0.0; t * c.n_embd],
+            per_thread: (0..n_threads.max(1))
+                .map(|_| Mutex::new(AttnScratch::new(c.head_dim, max_ctx)))
+                .collect(),
+        }
+    }
+
+    /// The largest step this scratch serves.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// The longest context this scratch serves.
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+}
+
+/// A pointer to an f32 buffer that pool threads write at disjoint indices.
+#[derive(Clone, Copy)]
+struct Disjoint(*mut f32, usize);
+// SAFETY: only used by the attention step below, where each (token, head) pair — hence each
+// output slice — belongs to exactly one thread.
+unsafe impl Sync for Disjoint {}
+// SAFETY: as above.
+unsafe impl Send for Disjoint {}
+
+impl LlamaModel {
+    /// Runs one step. Writes the logits of every chunk with `logits: true` (in chunk order,
+    /// `n_vocab` each) to the front of `logits` and returns how many rows were written.
+    pub fn forward(
+        &self,
+        k: &Kernels,
+        pool: &ThreadPool,
+        chunks: &[SeqChunk<'_>],
+        kv: &mut KvCache,
+        s: &mut Scratch,
+        logits: &mut [f32],
+    ) -> Result<usize, ModelError> {
+        let c = &self.cfg;
+        let (d, qd, kvd, ff, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff, c.head_dim);
+
+        // Validate the whole step before touching anything.
+        s.tok.clear();
+        s.out_rows.clear();
+        for (ci, ch) in chunks.iter().enumerate() {
+            let end = ch.start_pos + ch.tokens.len();
+            if ch.tokens.is_empty() {
+                return Err(ModelError::Batch("a chunk has no tokens".into()));
+            }
+            if end > s.max_ctx {
+                return Err(ModelError::Batch(format!(
+                    "position {end} exceeds the context of {} this engine was sized for",
+                    s.max_ctx
+                )));
+            }
+            if ch.block_table.len() * kv.block_size() < end {
+                return Err(ModelError::Batch("block table shorter than the sequence".into()));
+            }
+            if let Some(&b) = ch.block_table.iter().find(|&&b| b as usize >= kv.n_blocks()) {
+                return Err(ModelError::Batch(format!("block id {b} out of range")));
+            }
+            if let Some(&t) = ch.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+                return Err(ModelError::Batch(format!("token id {t} is outside the vocabulary of {}", c.n_vocab)));
+            }
+            if s.tok.len() + ch.tokens.len() > s.max_tokens {
+                return Err(ModelError::Batch(format!("step exceeds {} tokens", s.max_tokens)));
+            }
+            for i in 0..ch.tokens.len() {
+                s.tok.push((ci as u32, (ch.start_pos + i) as u32));
+            }
+            if ch.logits {
+                s.out_rows.push((s.tok.len() - 1) as u32);
+            }
+        }
+        let n = s.tok.len();
+        if logits.len() < s.out_rows.len() * c.n_vocab {
+            return Err(ModelError::Batch("logits buffer too small".into()));
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+
+        // Embeddings.
+        let embd = self.view(&self.tok_embd)?;
+        let mut t = 0;
+        for ch in chunks {
+            for &tok in ch.tokens {
+                embd.dequantize_row(tok as usize, &mut s.x[t * d..(t + 1) * d])?;
+                t += 1;
+            }
+        }
+
+        // Rope tables per token.
+        let rd = c.rope_dims;
+        for (t, &(_, pos)) in s.tok.iter().enumerate() {
+            ops::rope_cache(pos, rd, c.rope_base, self.rope_freqs.as_deref(), &mut s.rope[t * rd..(t + 1) * rd]);
+        }
+
+        let act = bytemuck::cast_slice_mut::<u32, u8>(&mut s.act);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = c.n_head / c.n_head_kv;
+
+        for (li, l) in self.layers.iter().enumerate() {
+            // Attention block.
+            for t in 0..n {
+                (k.rmsnorm)(&s.x[t * d..(t + 1) * d], &l.attn_norm, c.norm_eps, &mut s.xn[t * d..(t + 1) * d]);
+            }
+            let wq = self.view(&l.wq)?;
+            let wk = self.view(&l.wk)?;
+            let wv = self.view(&l.wv)?;
+            // Q, K and V reuse one quantization of the input when their types agree.
+            let mut len = quantize_activations(k, wq.act_ty(), &s.xn[..n * d], d, act)?.len();
+            matmul(k, pool, &wq, &act[..len], n, &mut s.q[..n * qd])?;
+            if wk.act_ty() != wq.act_ty() {
+                len = quantize_activations(k, wk.act_ty(), &s.xn[..n * d], d, act)?.len();
+            }
+            matmul(k, pool, &wk, &act[..len], n, &mut s.k[..n * kvd])?;
+            if wv.act_ty() != wk.act_ty() {
+                len = quantize_activations(k, wv.act_ty(), &s.xn[..n * d], d, act)?.len();
+            }
+            matmul(k, pool, &wv, &act[..len], n, &mut s.v[..n * kvd])?;
+            add_bias(&mut s.q[..n * qd], l.bq.as_deref());
+            add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
+            add_bias(&mut s.v[..n * kvd], l.bv.as_deref());
+
+            for t in 0..n {
+                let cache = &s.rope[t * rd..(t + 1) * rd];
+                let rope = match c.rope_kind {
+                    RopeKind::Norm => ops::rope_norm,
+                    RopeKind::Neox => ops::rope_neox,
+                };
+                for h in 0..c.n_head {
+                    rope(&mut s.q[t * qd + h * hd..t * qd + (h + 1) * hd], cache, rd);
+                }
+                for h in 0..c.n_head_kv {
+                    rope(&mut s.k[t * kvd + h * hd..t * kvd + (h + 1) * hd], cache, rd);
+                }
+            }
+            for (t, &(ci, pos)) in s.tok.iter().enumerate() {
+                let ch = &chunks[ci as usize];
+                let pos = pos as usize;
+                let block = ch.block_table[pos / kv.block_size()] as usize;
+                let slot = pos % kv.block_size();
+                kv.write(li, block, slot, &s.k[t * kvd..(t + 1) * kvd], &s.v[t * kvd..(t + 1) * kvd], k.f32_to_f16);
+            }
+
+            // Attention, parallel over (token, head) pairs.
+            let out = Disjoint(s.attn.as_mut_ptr(), n * qd);
+            let kvc = &*kv;
+            let (tok, q, per_thread) = (&s.tok, &s.q, &s.per_thread);
+            let failed = std::sync::atomic::AtomicBool::new(false);
+            let job = |i: usize, nt: usize| {
+                let out = out;
+                let Ok(mut sc) = per_thread[i].lock() else {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return;
+                };
+                let sc = &mut *sc;
+                for pair in split_range(n * c.n_head, i, nt, 1) {
+                    let (t, h) = (pair / c.n_head, pair % c.n_head);
+                    let (ci, pos) = tok[t];
+                    let (keys, values) = kvc.heads(li, h / group, chunks[ci as usize].block_table);
+                    // SAFETY: pair (t, h) owns the output slice [t*qd + h*hd, +hd); pairs are
+                    // split disjointly across threads and `s.attn` outlives `pool.run`.
+                    let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(t * qd + h * hd), hd) };
+                    debug_assert!(t * qd + (h + 1) * hd <= out.1);
+                    let qh = &q[t * qd + h * hd..t * qd + (h + 1) * hd];
+                    let mode = chunks[ci as usize].mode;
+                    if attention(k, mode, qh, &keys, &values, pos as usize + 1, scale, sc, o).is_err() {
+                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            };
+            pool.run(&job);
+            if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(ModelError::Batch("attention failed (inconsistent cache view)".into()));
+            }
+
+            let wo = self.view(&l.wo)?;
+            let xq = quantize_activations(k, wo.act_ty(), &s.attn[..n * qd], qd, act)?;
+            matmul(k, pool, &wo, xq, n, &mut s.xn[..n * d])?;
+            for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
+                *x += o;
+            }
+
+            // Feed-forward block.
+            for t in 0..n {
+                (k.rmsnorm)(&s.x[t * d..(t + 1) * d], &l.ffn_norm, c.norm_eps, &mut s.xn[t * d..(t + 1) * d]);
+            }
+            let wg = self.view(&l.w_gate)?;
+            let wu = self.view(&l.w_up)?;
+            let mut len = quantize_activations(k, wg.act_ty(), &s.xn[..n * d], d, act)?.len();
+            matmul(k, pool, &wg, &act[..len], n, &mut s.gate[..n * ff])?;
+            if wu.act_ty() != wg.act_ty() {
+                len = quantize_activations(k, wu.act_ty(), &s.xn[..n * d], d, act)?.len();
+            }
+            matmul(k, pool, &wu, &act[..len], n, &mut s.up[..n * ff])?;
+            for t in 0..n {
+                let r = t * ff..(t + 1) * ff;
+                // The product overwrites `up`.
+                let (g, u) = (&s.gate[r.clone()], &mut s.up[r]);
+                swiglu_in_place(k, g, u);
+            }
+            let wd = self.view(&l.w_down)?;
+            let xq = quantize_activations(k, wd.act_ty(), &s.up[..n * ff], ff, act)?;
+            matmul(k, pool, &wd, xq, n, &mut s.xn[..n * d])?;
+            for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
+                *x += o;
+            }
+        }
+
+        // Output head for the rows that want logits.
+        let m = s.out_rows.len();
+        if m == 0 {
+            return Ok(0);
+        }
+        for (j, &row) in s.out_rows.iter().enumerate() {
+            let row = row as usize;
+            (k.rmsnorm)(&s.x[row * d..(row + 1) * d], &self.output_norm, c.norm_eps, &mut s.out_x[j * d..(j + 1) * d]);
+        }
+        let wout = self.view(&self.output)?;
+        let xq = quantize_activations(k, wout.act_ty(), &s.out_x[..m * d], d, act)?;
+        matmul(k, pool, &wout, xq, m, &mut logits[..m * c.n_vocab])?;
+        Ok(m)
+    }
+}
+
+fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in rows.chunks_exact_mut(b.len()) {
+            for (x, b) in row.iter_mut().zip(b) {
+                *x += b;
+            }
+        }
+    }
+}
+
+/// `up = silu(gate) * up` without a third buffer.
+fn swiglu_in_place(k: &Kernels, gate: &[f32], up: &mut [f32]) {
+    // The kernel reads `up` before writing each element, so a copy of `up` is not needed
+    // element-wise; use a small stack buffer per chunk to keep the kernel signature.
+    let mut buf = [0.0f32; 256];
+    for (g, u) in gate.chunks(256).zip(up.chunks_mut(256)) {
+        let b = &mut buf[..u.len()];
+        b.copy_from_slice(u);
+        (k.swiglu)(g, b, u);
+    }
+}

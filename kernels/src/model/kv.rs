@@ -1,0 +1,117 @@
+//! The paged KV cache: fixed-size blocks of token slots, allocated once.
+//!
+//! Layout per layer: `[block][kv_head][slot][head_dim]` in f16, for keys and values
+//! separately, so one head's keys within a block are contiguous for the attention dot
+//! products. Which block holds which positions of a sequence is the caller's business
+//! (block tables); this type only stores and serves rows.
+
+use half::f16;
+
+use super::{LlamaConfig, ModelError};
+use crate::ops::PagedHead;
+
+/// Keys and values of every layer for `n_blocks` blocks of `block_size` tokens.
+pub struct KvCache {
+    n_layer: usize,
+    n_blocks: usize,
+    block_size: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    k: Vec<Vec<f16>>,
+    v: Vec<Vec<f16>>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("n_layer", &self.n_layer)
+            .field("n_blocks", &self.n_blocks)
+            .field("block_size", &self.block_size)
+            .finish()
+    }
+}
+
+impl KvCache {
+    /// Allocates the cache (zeroed; pages are touched on first write).
+    pub fn new(cfg: &LlamaConfig, n_blocks: usize, block_size: usize) -> Result<Self, ModelError> {
+        if n_blocks == 0 || block_size == 0 {
+            return Err(ModelError::Config("the KV cache needs at least one block of one slot".into()));
+        }
+        let per_layer = n_blocks
+            .checked_mul(block_size)
+            .and_then(|v| v.checked_mul(cfg.kv_dim()))
+            .ok_or_else(|| ModelError::Config("KV cache size overflows".into()))?;
+        let alloc = || vec![f16::ZERO; per_layer];
+        Ok(KvCache {
+            n_layer: cfg.n_layer,
+            n_blocks,
+            block_size,
+            n_kv_heads: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            k: (0..cfg.n_layer).map(|_| alloc()).collect(),
+            v: (0..cfg.n_layer).map(|_| alloc()).collect(),
+        })
+    }
+
+    /// Blocks `n_blocks` of `cfg` would take, for a memory budget in bytes.
+    pub fn blocks_for_budget(cfg: &LlamaConfig, block_size: usize, bytes: u64) -> usize {
+        let per_block = (cfg.kv_bytes_per_token() * block_size.max(1)) as u64;
+        (bytes / per_block.max(1)) as usize
+    }
+
+    /// Blocks in the cache.
+    pub fn n_blocks(&self) -> usize {
+        self.n_blocks
+    }
+
+    /// Token slots per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Bytes of keys and values held.
+    pub fn bytes(&self) -> usize {
+        2 * self.n_layer * self.n_blocks * self.block_size * self.n_kv_heads * self.head_dim * 2
+    }
+
+    /// Stores the keys and values of one token (`k`, `v`: `n_kv_heads * head_dim` floats).
+    pub(crate) fn write(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32], to_f16: fn(&[f32], &mut [f16])) {
+        let hd = self.head_dim;
+        for h in 0..self.n_kv_heads {
+            let at = ((block * self.n_kv_heads + h) * self.block_size + slot) * hd;
+            to_f16(&k[h * hd..(h + 1) * hd], &mut self.k[layer][at..at + hd]);
+            to_f16(&v[h * hd..(h + 1) * hd], &mut self.v[layer][at..at + hd]);
+        }
+    }
+
+    /// Key and value views of one KV head of a sequence in `layer`.
+    pub(crate) fn heads<'a>(&'a self, layer: usize, kv_head: usize, block_table: &'a [u32]) -> (PagedHead<'a>, PagedHead<'a>) {
+        let mk = |data: &'a [f16]| PagedHead {
+            data,
+            block_table,
+            block_size: self.block_size,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            kv_head,
+        };
+        (mk(&self.k[layer]), mk(&self.v[layer]))
+    }
+
+    /// Bytes of one block in one layer (keys or values).
+    pub fn block_bytes_per_layer(&self) -> usize {
+        self.n_kv_heads * self.block_size * self.head_dim * 2
+    }
+
+    /// Copies block `src` onto block `dst` in every layer (copy-on-write of shared prefixes).
+    pub fn copy_block(&mut self, src: usize, dst: usize) -> Result<(), ModelError> {
+        if src >= self.n_blocks || dst >= self.n_blocks {
+            return Err(ModelError::Config("block id out of range".into()));
+        }
+        let n = self.n_kv_heads * self.block_size * self.head_dim;
+        for l in 0..self.n_layer {
+            self.k[l].copy_within(src * n..(src + 1) * n, dst * n);
+            self.v[l].copy_within(src * n..(src + 1) * n, dst * n);
+        }
+        Ok(())
+    }
+}

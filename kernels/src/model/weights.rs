@@ -1,0 +1,193 @@
+//! The tensors of a llama-family model, located and shape-checked once at load.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use kvx_gguf::{GgmlType, GgufFile};
+
+use super::{LlamaConfig, ModelError};
+use crate::ops::QMatrix;
+
+/// A weight matrix inside the model file: validated at load, viewed as a [`QMatrix`] at use.
+#[derive(Debug, Clone)]
+pub struct MatRef {
+    /// Tensor name.
+    pub name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    range: Range<usize>,
+}
+
+impl MatRef {
+    /// Element type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// One transformer block.
+#[derive(Debug)]
+pub struct LayerWeights {
+    /// Pre-attention RMS-norm weight.
+    pub attn_norm: Vec<f32>,
+    /// Query projection.
+    pub wq: MatRef,
+    /// Key projection.
+    pub wk: MatRef,
+    /// Value projection.
+    pub wv: MatRef,
+    /// Optional biases of the three projections (qwen2).
+    pub bq: Option<Vec<f32>>,
+    /// Key bias.
+    pub bk: Option<Vec<f32>>,
+    /// Value bias.
+    pub bv: Option<Vec<f32>>,
+    /// Attention output projection.
+    pub wo: MatRef,
+    /// Pre-FFN RMS-norm weight.
+    pub ffn_norm: Vec<f32>,
+    /// Gate projection.
+    pub w_gate: MatRef,
+    /// Up projection.
+    pub w_up: MatRef,
+    /// Down projection.
+    pub w_down: MatRef,
+}
+
+/// A loaded model: the file (memory-mapped, shared read-only) and where each tensor is.
+#[derive(Debug)]
+pub struct LlamaModel {
+    file: Arc<GgufFile>,
+    /// Hyper-parameters.
+    pub cfg: LlamaConfig,
+    /// Token embedding (`n_vocab` rows of `n_embd`).
+    pub tok_embd: MatRef,
+    /// Final RMS-norm weight.
+    pub output_norm: Vec<f32>,
+    /// Output projection (the embedding itself when tied).
+    pub output: MatRef,
+    /// Whether `output` is the tied embedding.
+    pub tied_embeddings: bool,
+    /// Rope frequency factors (llama 3 style long-context scaling), if present.
+    pub rope_freqs: Option<Vec<f32>>,
+    /// The blocks.
+    pub layers: Vec<LayerWeights>,
+}
+
+impl LlamaModel {
+    /// Locates and checks every tensor of `file`. Weights stay in the file's memory.
+    pub fn load(file: Arc<GgufFile>) -> Result<Self, ModelError> {
+        let mut cfg = LlamaConfig::from_gguf(&file)?;
+        let f = &*file;
+        let tok_embd = mat(f, "token_embd.weight", None, Some(cfg.n_embd))?;
+        cfg.n_vocab = tok_embd.rows;
+        let (output, tied_embeddings) = match f.tensor("output.weight") {
+            Some(_) => (mat(f, "output.weight", Some(cfg.n_vocab), Some(cfg.n_embd))?, false),
+            None => (tok_embd.clone(), true),
+        };
+        let output_norm = vector(f, "output_norm.weight", cfg.n_embd)?;
+        let rope_freqs = match f.tensor("rope_freqs.weight") {
+            Some(_) => Some(vector(f, "rope_freqs.weight", cfg.rope_dims / 2)?),
+            None => None,
+        };
+        let (q, kv, d, ff) = (cfg.q_dim(), cfg.kv_dim(), cfg.n_embd, cfg.n_ff);
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let bias = |s: &str, len| -> Result<Option<Vec<f32>>, ModelError> {
+                match f.tensor(&n(s)) {
+                    Some(_) => Ok(Some(vector(f, &n(s), len)?)),
+                    None => Ok(None),
+                }
+            };
+            layers.push(LayerWeights {
+                attn_norm: vector(f, &n("attn_norm.weight"), d)?,
+                wq: mat(f, &n("attn_q.weight"), Some(q), Some(d))?,
+                wk: mat(f, &n("attn_k.weight"), Some(kv), Some(d))?,
+                wv: mat(f, &n("attn_v.weight"), Some(kv), Some(d))?,
+                bq: bias("attn_q.bias", q)?,
+                bk: bias("attn_k.bias", kv)?,
+                bv: bias("attn_v.bias", kv)?,
+                wo: mat(f, &n("attn_output.weight"), Some(d), Some(q))?,
+                ffn_norm: vector(f, &n("ffn_norm.weight"), d)?,
+                w_gate: mat(f, &n("ffn_gate.weight"), Some(ff), Some(d))?,
+                w_up: mat(f, &n("ffn_up.weight"), Some(ff), Some(d))?,
+                w_down: mat(f, &n("ffn_down.weight"), Some(d), Some(ff))?,
+            });
+        }
+        let model = LlamaModel { file, cfg, tok_embd, output_norm, output, tied_embeddings, rope_freqs, layers };
+        // Every matrix must be viewable: this checks types, sizes and alignment once.
+        model.view(&model.tok_embd)?;
+        model.view(&model.output)?;
+        for l in &model.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                model.view(m)?;
+            }
+        }
+        Ok(model)
+    }
+
+    /// The model file.
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
+    /// Bytes of weights (all tensors).
+    pub fn weight_bytes(&self) -> u64 {
+        self.file.tensors().iter().map(|t| t.size_bytes()).sum()
+    }
+
+    /// A kernel view of `m`.
+    pub fn view(&self, m: &MatRef) -> Result<QMatrix<'_>, ModelError> {
+        let data = self.file.bytes().get(m.range.clone()).ok_or_else(|| {
+            ModelError::Config(format!("tensor {} lies outside the file", m.name))
+        })?;
+        QMatrix::new(m.ty, m.rows, m.cols, data)
+            .map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))
+    }
+}
+
+fn info<'f>(f: &'f GgufFile, name: &str) -> Result<&'f kvx_gguf::TensorInfo, ModelError> {
+    f.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+}
+
+fn mat(f: &GgufFile, name: &str, rows: Option<usize>, cols: Option<usize>) -> Result<MatRef, ModelError> {
+    let t = info(f, name)?;
+    if t.dims.len() != 2 {
+        return Err(ModelError::Config(format!("{name}: expected 2 dims, found {:?}", t.dims)));
+    }
+    let (c, r) = (t.dims[0] as usize, t.dims[1] as usize);
+    if rows.is_some_and(|x| x != r) || cols.is_some_and(|x| x != c) {
+        return Err(ModelError::Config(format!(
+            "{name}: shape [{c}, {r}] does not match the configuration (expected [{}, {}])",
+            cols.map_or("?".into(), |v| v.to_string()),
+            rows.map_or("?".into(), |v| v.to_string())
+        )));
+    }
+    let data = f.tensor_data(t);
+    let start = data.as_ptr() as usize - f.bytes().as_ptr() as usize;
+    Ok(MatRef { name: name.to_string(), ty: t.ggml_type, rows: r, cols: c, range: start..start + data.len() })
+}
+
+fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let t = info(f, name)?;
+    if t.n_elements() != len as u64 {
+        return Err(ModelError::Config(format!(
+            "{name}: {} elements, expected {len}",
+            t.n_elements()
+        )));
+    }
+    let mut out = vec![0.0; len];
+    crate::quant::dequantize_row(t.ggml_type, f.tensor_data(t), &mut out)
+        .map_err(|e| ModelError::Config(format!("{name}: {e}")))?;
+    Ok(out)
+}
