@@ -268,6 +268,12 @@ impl XferHandle {
         }
     }
 
+    /// When the transfer finished (recorded by the engine, so it is exact even when nobody
+    /// was waiting); `None` while it is pending.
+    pub fn completed_at(&self) -> Option<std::time::Instant> {
+        self.shared.slots.completed_at(self.idx, self.seq)
+    }
+
     /// Cancel. Returns true when the transfer had not started and is now `Cancelled`; false
     /// when it already runs (the shm backend stops at the next descriptor; TCP and file
     /// transfers run to their end) or has finished. Either way the handle reports the outcome.

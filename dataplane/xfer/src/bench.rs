@@ -218,6 +218,11 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
 
 /// Keep `inflight` transfers posted, cycling through `preps`, for `dur` or `count` transfers.
 /// Returns completed transfers and their latencies in tenths of a microsecond.
+///
+/// When the window is full the driver sleeps until the transfer in the middle of it is done,
+/// then reaps everything finished from the front: one wake-up per half window instead of one
+/// per transfer. Latency uses the completion time the engine recorded, so it does not include
+/// the driver's own sleep.
 fn drive(
     agent: &Agent,
     preps: &[crate::agent::Prepped],
@@ -228,7 +233,7 @@ fn drive(
     count: Option<u64>,
 ) -> Result<(u64, Vec<u32>)> {
     let start = Instant::now();
-    let mut q = VecDeque::with_capacity(inflight);
+    let mut q: VecDeque<(Instant, crate::agent::XferHandle)> = VecDeque::with_capacity(inflight);
     let mut lat = Vec::with_capacity(if count.is_some() { 0 } else { 1 << 20 });
     let mut next = 0usize;
     let mut posted = 0u64;
@@ -240,20 +245,26 @@ fn drive(
             (Some(d), None) => start.elapsed() < d,
             (None, None) => false,
         };
-        while more && q.len() < inflight {
+        while more && q.len() < inflight && count.is_none_or(|c| posted < c) {
             let h = agent.post(op, &preps[next], notif)?;
             q.push_back((Instant::now(), h));
             next = (next + 1) % preps.len();
             posted += 1;
-            if count.is_some_and(|c| posted >= c) {
-                break;
-            }
         }
-        let Some((t, h)) = q.pop_front() else { break };
-        h.wait(wait)?;
-        done += 1;
-        if lat.len() < lat.capacity() {
-            lat.push(u32::try_from(t.elapsed().as_nanos() / 100).unwrap_or(u32::MAX));
+        if q.is_empty() {
+            break;
+        }
+        let target = if more { q.len() / 2 } else { 0 };
+        q[target].1.wait(wait)?;
+        while let Some((t, h)) = q.front() {
+            let Some(at) = h.completed_at() else { break };
+            h.wait(Duration::ZERO)?;
+            done += 1;
+            if lat.len() < lat.capacity() {
+                let d = at.saturating_duration_since(*t);
+                lat.push(u32::try_from(d.as_nanos() / 100).unwrap_or(u32::MAX));
+            }
+            q.pop_front();
         }
     }
     Ok((done, lat))

@@ -7,7 +7,7 @@
 //! question is settled by a single atomic read-modify-write.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,9 @@ const STATE_MASK: u64 = 0xff;
 const ABANDONED: u64 = 1 << 8;
 /// Cancellation was requested while running; engines check it between descriptors.
 const CANCEL_REQ: u64 = 1 << 9;
+/// A handle is parked waiting on this slot: completing it must wake the waiters. Completions
+/// nobody waits for cost no system call.
+const WAITED: u64 = 1 << 10;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -33,6 +36,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Slot {
     word: AtomicU64,
     err: Mutex<Option<XferError>>,
+    /// When the transfer finished, in nanoseconds since the table was created.
+    done_ns: AtomicU64,
 }
 
 /// Outcome of a transfer as seen by its handle.
@@ -53,7 +58,7 @@ pub(crate) struct SlotTable {
     free: Mutex<Vec<u32>>,
     done: Mutex<u64>,
     cv: Condvar,
-    waiters: AtomicUsize,
+    epoch: Instant,
 }
 
 impl SlotTable {
@@ -61,12 +66,16 @@ impl SlotTable {
         let cap = cap.clamp(1, 1 << 20);
         SlotTable {
             slots: (0..cap)
-                .map(|_| Slot { word: AtomicU64::new(1 << 32), err: Mutex::new(None) })
+                .map(|_| Slot {
+                    word: AtomicU64::new(1 << 32),
+                    err: Mutex::new(None),
+                    done_ns: AtomicU64::new(0),
+                })
                 .collect(),
             free: Mutex::new((0..cap as u32).rev().collect()),
             done: Mutex::new(0),
             cv: Condvar::new(),
-            waiters: AtomicUsize::new(0),
+            epoch: Instant::now(),
         }
     }
 
@@ -124,6 +133,7 @@ impl SlotTable {
         if !ours(s.word.load(Ordering::Acquire)) {
             return false;
         }
+        s.done_ns.store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let new_state = match res {
             Ok(()) => DONE,
             Err(e) => {
@@ -140,7 +150,9 @@ impl SlotTable {
                 if p & ABANDONED != 0 {
                     self.free_slot(idx);
                 }
-                self.notify();
+                if p & WAITED != 0 {
+                    self.notify();
+                }
                 true
             }
             Err(_) => false,
@@ -155,11 +167,19 @@ impl SlotTable {
     }
 
     fn notify(&self) {
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            let mut g = lock(&self.done);
-            *g = g.wrapping_add(1);
-            self.cv.notify_all();
+        let mut g = lock(&self.done);
+        *g = g.wrapping_add(1);
+        self.cv.notify_all();
+    }
+
+    /// Handle side: when the transfer finished (None while pending or for a stale handle).
+    pub(crate) fn completed_at(&self, idx: u32, seq: u32) -> Option<Instant> {
+        let s = self.slot(idx)?;
+        let w = s.word.load(Ordering::Acquire);
+        if (w >> 32) as u32 != seq || !matches!(w & STATE_MASK, DONE | FAILED) {
+            return None;
         }
+        Some(self.epoch + Duration::from_nanos(s.done_ns.load(Ordering::Relaxed)))
     }
 
     /// Handle side: the current status.
@@ -190,14 +210,18 @@ impl SlotTable {
             if now >= deadline {
                 return XferStatus::Pending;
             }
-            self.waiters.fetch_add(1, Ordering::SeqCst);
+            // Mark the slot as waited on (a completion after this RMW sees the bit and wakes
+            // us); then re-check under the lock the completer takes to notify.
+            let Some(s) = self.slot(idx) else { return XferStatus::Pending };
+            let _ = s.word.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                ((w >> 32) as u32 == seq).then_some(w | WAITED)
+            });
             let g = lock(&self.done);
             if self.status(idx, seq) == XferStatus::Pending {
                 let _ = self.cv.wait_timeout(g, deadline - now);
             } else {
                 drop(g);
             }
-            self.waiters.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
