@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""Reference answers from llama.cpp (through llama-cpp-python) and from jinja2, for kvx tests.
+
+Every subcommand reads JSON lines on stdin and writes one JSON line per input line on stdout,
+in order, so a test can send a whole corpus through one process. Bytes that need not be UTF-8
+(token pieces, detokenized text) are written as lowercase hex.
+
+Subcommands
+-----------
+tokenize --model GGUF
+    in:  {"text": str, "add_special": bool, "parse_special": bool}
+    out: {"ids": [int], "pieces": hex, "pieces_plain": hex, "detok": hex}
+         pieces        concatenated llama_token_to_piece(special=true) of the ids
+         pieces_plain  the same with special=false (control tokens render as nothing)
+         detok         llama_detokenize(remove_special=false, unparse_special=true), which
+                       also applies the model's clean-up of spaces
+
+vocab --model GGUF
+    in:  nothing (stdin is not read)
+    out: one object: n_vocab, bos, eos, eot, pad, sep, nl, fim_*, add_bos, add_eos,
+         eog (ids), attrs (per token), pieces / pieces_plain (hex per token)
+
+render
+    in:  {"template": str, "messages": [...], "add_generation_prompt": bool,
+          "bos_token": str, "eos_token": str, "tools": any (optional),
+          "documents": any (optional), "extra": {...} (optional template variables),
+          "now": unix seconds (optional; fixes strftime_now, UTC)}
+    out: {"text": str} or {"error": str}
+    Renders the way Hugging Face transformers' apply_chat_template does: a sandboxed jinja2
+    environment with trim_blocks and lstrip_blocks, loop controls, the {% generation %} tag,
+    raise_exception, strftime_now, and a json.dumps-based tojson.
+
+New subcommands go beside these: add a `cmd_<name>(args)` function and register it in
+`build_parser()`. Only llama_cpp, jinja2, numpy and the standard library may be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator
+
+# ---------------------------------------------------------------------------------------
+# shared helpers
+# ---------------------------------------------------------------------------------------
+
+
+def read_jsonl() -> Iterator[dict]:
+    """Yields one JSON object per non-empty stdin line."""
+    for line in sys.stdin:
+        line = line.strip()
+        if line:
+            yield json.loads(line)
+
+
+def emit(obj: Any) -> None:
+    """Writes one JSON line to stdout and flushes, so callers can stream."""
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+_LOG_CALLBACK = None  # keeps the ctypes callback alive while llama.cpp holds it
+
+
+def load_model(path: str, vocab_only: bool = True):
+    """Loads a GGUF with llama.cpp's own loader and returns (model, vocab) raw handles.
+
+    Logging is silenced so stdout/stderr carry only our output.
+    """
+    import llama_cpp
+
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    model = llama_cpp.llama_model_load_from_file(path.encode("utf-8"), params)
+    if not model:
+        raise SystemExit(f"llama.cpp could not load {path}")
+    return model, llama_cpp.llama_model_get_vocab(model)
+
+
+# ---------------------------------------------------------------------------------------
+# tokenizer oracles
+# ---------------------------------------------------------------------------------------
+
+
+def tokenize(vocab, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
+    import llama_cpp
+
+    n_max = len(text) + 16
+    while True:
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(vocab, text, len(text), buf, n_max, add_special, parse_special)
+        if n >= 0:
+            return list(buf[:n])
+        n_max = -n
+
+
+def token_to_piece(vocab, token: int, special: bool) -> bytes:
+    import llama_cpp
+
+    size = 64
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+def detokenize(vocab, ids: list[int], remove_special: bool, unparse_special: bool) -> bytes:
+    import llama_cpp
+
+    arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
+    size = 64 + 16 * len(ids)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, remove_special, unparse_special)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+def cmd_tokenize(args: argparse.Namespace) -> None:
+    _, vocab = load_model(args.model)
+    for req in read_jsonl():
+        ids = tokenize(vocab, req["text"].encode("utf-8"), bool(req.get("add_special", False)),
+                       bool(req.get("parse_special", False)))
+        emit({
+            "ids": ids,
+            "pieces": b"".join(token_to_piece(vocab, t, True) for t in ids).hex(),
+            "pieces_plain": b"".join(token_to_piece(vocab, t, False) for t in ids).hex(),
+            "detok": detokenize(vocab, ids, False, True).hex(),
+        })
+
+
+def cmd_vocab(args: argparse.Namespace) -> None:
+    import llama_cpp as lc
+
+    _, vocab = load_model(args.model)
+    n = lc.llama_vocab_n_tokens(vocab)
+    emit({
+        "n_vocab": n,
+        "bos": lc.llama_vocab_bos(vocab),
+        "eos": lc.llama_vocab_eos(vocab),
+        "eot": lc.llama_vocab_eot(vocab),
+        "pad": lc.llama_vocab_pad(vocab),
+        "sep": lc.llama_vocab_sep(vocab),
+        "nl": lc.llama_vocab_nl(vocab),
+        "fim_pre": lc.llama_vocab_fim_pre(vocab),
+        "fim_suf": lc.llama_vocab_fim_suf(vocab),
+        "fim_mid": lc.llama_vocab_fim_mid(vocab),
+        "fim_pad": lc.llama_vocab_fim_pad(vocab),
+        "fim_rep": lc.llama_vocab_fim_rep(vocab),
+        "fim_sep": lc.llama_vocab_fim_sep(vocab),
+        "add_bos": bool(lc.llama_vocab_get_add_bos(vocab)),
+        "add_eos": bool(lc.llama_vocab_get_add_eos(vocab)),
+        "eog": [t for t in range(n) if lc.llama_vocab_is_eog(vocab, t)],
+        "attrs": [int(lc.llama_vocab_get_attr(vocab, t)) for t in range(n)],
+        "pieces": [token_to_piece(vocab, t, True).hex() for t in range(n)],
+        "pieces_plain": [token_to_piece(vocab, t, False).hex() for t in range(n)],
+    })
+
+
+# ---------------------------------------------------------------------------------------
+# chat template oracle (Hugging Face transformers' rendering)
+# ---------------------------------------------------------------------------------------
+
+
+def compile_template(source: str, now: float | None):
+    """Compiles a chat template exactly as transformers' _compile_jinja_template does."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """{% generation %}...{% endgeneration %}: renders its body (transformers uses it to
+        mark assistant tokens; the text is unchanged)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        # transformers formats datetime.now(), a naive local time; a fixed moment is given as
+        # naive UTC so %Z and %z stay empty the same way.
+        if now is None:
+            moment = datetime.now()
+        else:
+            moment = datetime.fromtimestamp(now, tz=timezone.utc).replace(tzinfo=None)
+        return moment.strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def cmd_render(args: argparse.Namespace) -> None:
+    for req in read_jsonl():
+        try:
+            template = compile_template(req["template"], req.get("now"))
+            variables = dict(req.get("extra") or {})
+            variables.update(
+                messages=req["messages"],
+                tools=req.get("tools"),
+                documents=req.get("documents"),
+                add_generation_prompt=bool(req.get("add_generation_prompt", False)),
+                bos_token=req.get("bos_token", ""),
+                eos_token=req.get("eos_token", ""),
+            )
+            emit({"text": template.render(**variables)})
+        except Exception as e:  # noqa: BLE001 - any template failure is an answer here
+            emit({"error": f"{type(e).__name__}: {e}"})
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], None], help_: str, model: bool) -> None:
+        p = sub.add_parser(name, help=help_)
+        if model:
+            p.add_argument("--model", required=True, help="path to a GGUF file")
+        p.set_defaults(func=fn)
+
+    add("tokenize", cmd_tokenize, "token ids for JSON-line texts", model=True)
+    add("vocab", cmd_vocab, "special ids, attributes and pieces of every token", model=True)
+    add("render", cmd_render, "chat templates rendered as transformers does", model=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
