@@ -10,6 +10,7 @@
 #   file vs fio (io_uring, O_DIRECT, QD32, 1 MiB) read/write >= 0.8
 #   kvx vs NIXL (UCX, DRAM->DRAM, two processes)           >= 2.5  (64 KiB and 4 MiB blocks)
 #   kvx vs Mooncake Transfer Engine (TCP)                  >= 3    (64 KiB and 4 MiB blocks)
+#     (rows for kvx's TCP backend, like for like, and for shm, what kvx picks on one host)
 #
 # Environment:
 #   KVX       kvx binary (default: target/release/kvx, built with cargo if missing)
@@ -141,8 +142,10 @@ for r in $(seq "$RUNS"); do
     if want mooncake && [ -n "$MC_PORT" ]; then
         mc_ref mooncake-64K 65536 128
         kvx kvx-tcp-64Kx128 --backend tcp --block-size 64K --blocks 16384 --batch 128 --inflight 2
+        kvx kvx-shm-64Kx128 --backend shm --block-size 64K --blocks 16384 --batch 128 --inflight 2
         mc_ref mooncake-4M 4194304 8
         kvx kvx-tcp-4Mx8 --backend tcp --block-size 4M --blocks 256 --batch 8 --inflight 2
+        kvx kvx-shm-4Mx8 --backend shm --block-size 4M --blocks 256 --batch 8 --inflight 2
     fi
 done
 
@@ -167,6 +170,8 @@ pairs = [
     ("shm 4 MiB x4 vs NIXL (UCX)", "kvx-shm-4Mx4", "nixl-4M", 2.5),
     ("tcp 64 KiB x128 vs Mooncake TCP", "kvx-tcp-64Kx128", "mooncake-64K", 3.0),
     ("tcp 4 MiB x8 vs Mooncake TCP", "kvx-tcp-4Mx8", "mooncake-4M", 3.0),
+    ("shm 64 KiB x128 vs Mooncake TCP", "kvx-shm-64Kx128", "mooncake-64K", 3.0),
+    ("shm 4 MiB x8 vs Mooncake TCP", "kvx-shm-4Mx8", "mooncake-4M", 3.0),
 ]
 print()
 print(f"{'comparison':34} {'kvx GB/s median (min-max)':27} {'reference GB/s':24} {'ratio':>6} {'bar':>5}  ok")

@@ -34,11 +34,23 @@ pub struct QpInfo {
 unsafe extern "C" {
     fn kvx_rdma_device_count() -> c_int;
     fn kvx_rdma_device_name(i: c_int, buf: *mut c_char, len: usize) -> c_int;
-    fn kvx_rdma_open(name: *const c_char, port: u8, depth: c_int, err: *mut c_char, errlen: usize) -> *mut RawRdma;
+    fn kvx_rdma_open(
+        name: *const c_char,
+        port: u8,
+        depth: c_int,
+        err: *mut c_char,
+        errlen: usize,
+    ) -> *mut RawRdma;
     fn kvx_rdma_close(r: *mut RawRdma);
     fn kvx_rdma_local_info(r: *mut RawRdma, out: *mut QpInfo) -> c_int;
     fn kvx_rdma_connect(r: *mut RawRdma, remote: *const QpInfo) -> c_int;
-    fn kvx_rdma_reg(r: *mut RawRdma, addr: *mut c_void, len: usize, lkey: *mut u32, rkey: *mut u32) -> *mut c_void;
+    fn kvx_rdma_reg(
+        r: *mut RawRdma,
+        addr: *mut c_void,
+        len: usize,
+        lkey: *mut u32,
+        rkey: *mut u32,
+    ) -> *mut c_void;
     fn kvx_rdma_dereg(mr: *mut c_void) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn kvx_rdma_post(
@@ -96,7 +108,8 @@ unsafe impl Send for Endpoint {}
 impl Endpoint {
     /// Open `device` (empty = first) on `port` with `depth` outstanding work requests.
     pub fn open(device: &str, port: u8, depth: u32) -> Result<Endpoint> {
-        let name = CString::new(device).map_err(|_| XferError::Unsupported("device name with NUL"))?;
+        let name =
+            CString::new(device).map_err(|_| XferError::Unsupported("device name with NUL"))?;
         let mut err = [0 as c_char; 128];
         let depth = c_int::try_from(depth.max(1)).unwrap_or(c_int::MAX);
         // SAFETY: valid C string and error buffer with its length.
@@ -137,7 +150,9 @@ impl Endpoint {
     pub unsafe fn register(&mut self, addr: *mut u8, len: usize) -> Result<(u32, u32)> {
         let (mut lkey, mut rkey) = (0u32, 0u32);
         // SAFETY: live endpoint; the caller keeps the range mapped (contract above).
-        let mr = unsafe { kvx_rdma_reg(self.raw.as_ptr(), addr.cast(), len, &raw mut lkey, &raw mut rkey) };
+        let mr = unsafe {
+            kvx_rdma_reg(self.raw.as_ptr(), addr.cast(), len, &raw mut lkey, &raw mut rkey)
+        };
         let raw = NonNull::new(mr).ok_or_else(|| XferError::last_os("ibv_reg_mr"))?;
         self.mrs.push(Mr { raw, lkey, rkey });
         Ok((lkey, rkey))
@@ -162,7 +177,16 @@ impl Endpoint {
     ) -> Result<()> {
         // SAFETY: live endpoint; buffer validity is the caller's contract.
         let rc = unsafe {
-            kvx_rdma_post(self.raw.as_ptr(), c_int::from(write), wr_id, laddr.cast(), len, lkey, raddr, rkey)
+            kvx_rdma_post(
+                self.raw.as_ptr(),
+                c_int::from(write),
+                wr_id,
+                laddr.cast(),
+                len,
+                lkey,
+                raddr,
+                rkey,
+            )
         };
         if rc != 0 {
             return Err(XferError::errno("ibv_post_send", rc));
