@@ -120,6 +120,8 @@ pub(crate) fn load(path: &Path) -> Result<Tokenizer, TokenizerError> {
         obj.insert("post_processor".into(), Value::Null);
         obj.insert("truncation".into(), Value::Null);
         obj.insert("padding".into(), Value::Null);
+        // Pieces are decoded from the vocabulary; the decoder section is not needed.
+        obj.insert("decoder".into(), Value::Null);
     }
     let backend_tok: tokenizers::Tokenizer = json.to_string().parse().map_err(backend)?;
 
