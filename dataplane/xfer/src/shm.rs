@@ -303,6 +303,8 @@ struct Accepted {
     peer: Arc<str>,
     /// A notification waiting for room in the queue (back-pressure on this peer).
     blocked: Option<NotifBuf>,
+    /// The connection failed and is dropped after this poll round.
+    dead: bool,
 }
 
 /// Start the control thread: accepts same-host peers, serves Hello/GetFds, receives
@@ -348,8 +350,8 @@ fn control_loop(sh: &Shared, listener: &UnixListener) {
             // SAFETY: reads 8 bytes into a live u64 from our eventfd.
             let _ = unsafe { libc::read(sh.ctl_wake.as_raw_fd(), (&raw mut v).cast(), 8) };
         }
+        // Serve readable peers; no allocation here (this loop runs per notification).
         let nconns = conns.len();
-        let mut keep = vec![true; nconns];
         for (i, c) in conns.iter_mut().enumerate() {
             if let Some(b) = c.blocked {
                 if sh.notifs.push(&c.peer, b.bytes()) {
@@ -358,31 +360,21 @@ fn control_loop(sh: &Shared, listener: &UnixListener) {
                 continue;
             }
             if pfds[2 + i].revents != 0 && serve_frame(sh, c).is_err() {
-                keep[i] = false;
+                c.dead = true;
             }
         }
-        for (j, (_, remote)) in watches.iter().enumerate() {
-            if pfds[2 + nconns + j].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
-                && let Ok(r) = sh.remote(*remote)
-            {
+        conns.retain(|c| !c.dead);
+        let hung = |k: usize| {
+            pfds[2 + nconns + k].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+        };
+        let mut k = 0;
+        watches.retain(|(_, remote)| {
+            let gone = hung(k);
+            k += 1;
+            if gone && let Ok(r) = sh.remote(*remote) {
                 r.alive.store(false, Ordering::Release);
             }
-        }
-        let mut i = 0;
-        conns.retain(|_| {
-            i += 1;
-            keep[i - 1]
-        });
-        let mut j = 0;
-        let dead: Vec<bool> = (0..watches.len())
-            .map(|k| {
-                pfds[2 + nconns + k].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR)
-                    != 0
-            })
-            .collect();
-        watches.retain(|_| {
-            j += 1;
-            !dead[j - 1]
+            !gone
         });
         if pfds[1].revents != 0 {
             while let Ok((s, _)) = listener.accept() {
@@ -392,7 +384,7 @@ fn control_loop(sh: &Shared, listener: &UnixListener) {
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
                 let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-                conns.push(Accepted { sock: s, peer: Arc::from("?"), blocked: None });
+                conns.push(Accepted { sock: s, peer: Arc::from("?"), blocked: None, dead: false });
             }
         }
     }
