@@ -522,7 +522,11 @@ fn run_copy(sh: &Shared, job: &ShmJob) -> Result<()> {
                 std::thread::sleep(Duration::from_micros(200));
             }
         } else if let Some(peer) = &rem.local {
-            peer.send_notif(&rem.name, sh.instance, job.notif.bytes())?;
+            peer.send_notif(&rem.name, sh.instance, job.notif.bytes()).inspect_err(|e| {
+                if e.is_remote_gone() {
+                    rem.alive.store(false, Ordering::Release);
+                }
+            })?;
         }
     }
     if !rem.alive.load(Ordering::Acquire) {

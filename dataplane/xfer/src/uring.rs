@@ -706,7 +706,11 @@ impl Engine {
                 Err(XferError::Full("notification queue"))
             }
         } else if let Some(peer) = &rem.local {
-            peer.send_notif(&rem.name, self.sh.instance, x.notif.bytes())
+            peer.send_notif(&rem.name, self.sh.instance, x.notif.bytes()).inspect_err(|e| {
+                if e.is_remote_gone() {
+                    rem.alive.store(false, Ordering::Release);
+                }
+            })
         } else {
             Ok(())
         }

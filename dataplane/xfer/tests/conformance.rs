@@ -544,3 +544,37 @@ fn self_overlap_rejected() {
     assert_eq!(got, data);
     assert_eq!(a.wait_notif(WAIT).unwrap().msg(), b"hi");
 }
+
+#[test]
+fn hugepage_regions_when_reserved_typed_error_otherwise() {
+    let mut c = AgentConfig::new("huge");
+    c.hugepages = kvx_xfer::HugePages::Require;
+    let a = Agent::new(c).unwrap();
+    match a.alloc_mem(4 << 20) {
+        Ok(r) => {
+            assert!(a.is_huge(r).unwrap());
+            let b = agent("target");
+            let t = b.alloc_mem(4 << 20).unwrap();
+            let rid = a.add_remote(&b.metadata()).unwrap();
+            let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7) as u8).collect();
+            a.write_local(Desc::new(r, 4096, 1 << 20), &data).unwrap();
+            a.xfer(
+                Op::Write,
+                rid,
+                &[Desc::new(r, 4096, 1 << 20)],
+                &[Desc::new(t, 0, 1 << 20)],
+                b"",
+            )
+            .unwrap()
+            .wait(WAIT)
+            .unwrap();
+            let mut got = vec![0u8; 1 << 20];
+            b.read_local(Desc::new(t, 0, 1 << 20), &mut got).unwrap();
+            assert!(got == data);
+        }
+        Err(e) => assert!(matches!(e, XferError::Io { .. }), "{e}"),
+    }
+    // Auto never fails for lack of hugepages.
+    let b = agent("auto");
+    assert!(b.alloc_mem(4 << 20).is_ok());
+}
