@@ -193,6 +193,9 @@ struct ReadEntry {
     segs: Vec<MemSeg>,
     notif: NotifBuf,
     used: bool,
+    /// Sent, but its notification waits for room in the queue; the entry stays taken, which
+    /// back-pressures the initiator once all entries are.
+    notif_pending: bool,
 }
 
 #[derive(Debug)]
@@ -264,6 +267,7 @@ struct Engine {
     conn_gen: u32,
     xs: Vec<XState>,
     file_q: VecDeque<u32>,
+    notif_wait: VecDeque<u32>,
     inflight: usize,
     bufs_next: u32,
     bufs_ok: bool,
@@ -341,6 +345,7 @@ impl Engine {
             conn_gen: 1,
             xs,
             file_q: VecDeque::with_capacity(cap),
+            notif_wait: VecDeque::with_capacity(cap),
             inflight: 0,
             bufs_next: 0,
             bufs_ok,
@@ -678,7 +683,14 @@ impl Engine {
         if x.next >= n && x.outstanding == 0 {
             let res = match x.err.take() {
                 Some(e) => Err(e),
-                None => self.file_notif(slot).and_then(|()| self.file_remote_alive(slot)),
+                None => match self.file_notif(slot) {
+                    Err(XferError::Full(_)) => {
+                        // Our own queue is full: finish once the application drains it.
+                        self.notif_wait.push_back(slot);
+                        return;
+                    }
+                    r => r.and_then(|()| self.file_remote_alive(slot)),
+                },
             };
             self.finish(slot, res);
         }
@@ -791,6 +803,26 @@ impl Engine {
         }
         for ci in expired {
             self.fail_conn(ci, XferError::Timeout);
+        }
+        // Finish file transfers whose notification found our own queue full.
+        for _ in 0..self.notif_wait.len() {
+            let Some(slot) = self.notif_wait.pop_front() else { break };
+            match self.file_notif(slot) {
+                Err(XferError::Full(_)) => self.notif_wait.push_back(slot),
+                r => {
+                    let r = r.and_then(|()| self.file_remote_alive(slot));
+                    self.finish(slot, r);
+                }
+            }
+        }
+        // Deliver READ notifications that found the queue full.
+        for c in self.conns.iter_mut().flatten() {
+            for ent in c.reads.iter_mut().filter(|e| e.notif_pending) {
+                if self.sh.notifs.push(&c.peer, ent.notif.bytes()) {
+                    ent.notif_pending = false;
+                    ent.used = false;
+                }
+            }
         }
         // Retry connections stalled on a full notification queue or reply queue.
         for ci in 0..self.conns.len() as u32 {
@@ -964,6 +996,7 @@ impl Engine {
                         segs: Vec::with_capacity(MAX_DESCS),
                         notif: NotifBuf::EMPTY,
                         used: false,
+                        notif_pending: false,
                     });
                 }
                 let Some(pool) = c.reads.iter().position(|r| !r.used) else { return Ok(false) };
@@ -1243,10 +1276,10 @@ impl Engine {
         for k in 0..c.tx_batch.len() {
             if let Tx::ReadData { pool, .. } = c.tx_batch[k] {
                 let ent = &mut c.reads[pool];
-                ent.used = false;
                 if ent.notif.len > 0 && !self.sh.notifs.push(&c.peer, ent.notif.bytes()) {
-                    // Queue full: the read already completed for the initiator; the
-                    // notification is dropped rather than stalling the stream. Bounded.
+                    ent.notif_pending = true; // retried on tick
+                } else {
+                    ent.used = false;
                 }
                 unstall = true;
             }

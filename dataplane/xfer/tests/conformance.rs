@@ -422,6 +422,53 @@ fn peer_killed_mid_transfer(backend: Backend) {
     let _ = peer.child.wait();
 }
 
+/// A receiver with a tiny notification queue that drains late: nothing is dropped or
+/// duplicated, transfers complete once it drains (back-pressure, not loss).
+fn notifications_back_pressure_not_loss(backend: Backend) {
+    let small = |name: &str| {
+        let mut cfg = AgentConfig::new(name);
+        cfg.notif_capacity = 4;
+        Agent::new(cfg).unwrap()
+    };
+    // The file backend notifies the initiating agent itself (its own file tier).
+    let a = if backend == Backend::File { small("init") } else { agent("init") };
+    let b = small("target");
+    let la = a.alloc_mem(1 << 20).unwrap();
+    let (target, remote, notified) = if backend == Backend::File {
+        let path = tmp_path("bp");
+        let t = a.register_file(&path, 0, 1 << 20).unwrap();
+        (t, a.add_remote(&a.metadata()).unwrap(), Some(path))
+    } else {
+        let t = b.alloc_mem(1 << 20).unwrap();
+        (t, a.add_remote(&b.metadata()).unwrap(), None)
+    };
+    let side = if backend == Backend::File { &a } else { &b };
+    let n = 40u64;
+    let mut hs = Vec::new();
+    for i in 0..n {
+        let d = [Desc::new(la, i * 4096, 4096)];
+        let r = [Desc::new(target, i * 4096, 4096)];
+        let p = a.prep(remote, &d, &r, Some(backend)).unwrap();
+        let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+        hs.push(a.post(op, &p, format!("n{i}").as_bytes()).unwrap());
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut seen = HashSet::new();
+    let deadline = Instant::now() + WAIT;
+    while (seen.len() as u64) < n && Instant::now() < deadline {
+        if let Some(m) = side.wait_notif(Duration::from_millis(100)) {
+            assert!(seen.insert(m.msg().to_vec()), "{backend:?}: duplicate notification");
+        }
+    }
+    assert_eq!(seen.len() as u64, n, "{backend:?}: every notification delivered");
+    for h in hs {
+        h.wait(WAIT).unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+    }
+    if let Some(p) = notified {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
 macro_rules! suite {
     ($($m:ident => $b:expr),* $(,)?) => {$(
         mod $m {
@@ -432,6 +479,7 @@ macro_rules! suite {
             #[test] fn cancel() { cancel_before_start($b) }
             #[test] fn cross_process() { cross_process_round_trip($b) }
             #[test] fn peer_killed() { peer_killed_mid_transfer($b) }
+            #[test] fn notif_back_pressure() { notifications_back_pressure_not_loss($b) }
         }
     )*};
 }
