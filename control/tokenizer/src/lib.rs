@@ -418,3 +418,14 @@ fn bpe_backend(
     tok.with_pre_tokenizer(Some(pretok::build(spec)?));
     Ok(tok)
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<super::Tokenizer>();
+        assert_send_sync::<super::ChatTemplate>();
+        assert_send_sync::<super::DecodeStream>();
+    }
+}

@@ -117,6 +117,7 @@ fn corpus_ids_and_text_match_llama_cpp() {
         }
     }
     check(failures, "corpus");
+    eprintln!("{} texts × 2 modes equal; {round_trips} llama.cpp round trips", texts.len());
     assert!(round_trips > texts.len(), "only {round_trips} llama.cpp round trips");
 }
 
@@ -178,6 +179,7 @@ fn every_code_point_matches_llama_cpp() {
     }
     failures.extend(detail);
     check(failures, "code point");
+    eprintln!("{} code points in {} texts equal", code_points.len(), texts.len());
 }
 
 #[test]

@@ -701,3 +701,12 @@ fn read_array(c: &mut Cursor<'_>, key: &str, depth: usize) -> Result<MetaArray, 
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<super::GgufFile>();
+    }
+}
