@@ -12,6 +12,17 @@
 //!
 //! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is implemented; SentencePiece
 //! (`"llama"`) and the other models give [`TokenizerError::Unsupported`].
+//!
+//! Where kvx deliberately or unavoidably differs from llama.cpp:
+//! - [`Tokenizer::decode`] does not apply llama.cpp's clean-up of spaces before punctuation
+//!   (`llama_detokenize` does for some pre-tokenizer types), so decoding is lossless and
+//!   equals the concatenation of the token pieces, as llama.cpp's server streams them.
+//! - Where a vocabulary has several candidate texts for EOT or a FIM role, llama.cpp picks
+//!   one in hash-map order; kvx picks the lowest id. The end-of-generation set is the same
+//!   unless a vocabulary has several FIM pad/repo/separator candidates.
+//! - Special tokens of equal length that overlap in the text are tried in id order
+//!   (llama.cpp's order among them is unspecified).
+//! - BPE merges whose parts or result are not vocabulary entries are left out.
 
 #![forbid(unsafe_code)]
 

@@ -9,6 +9,9 @@
 //! (`.strip()`, `.split()`, `.items()`, ...) come from minijinja-contrib's pycompat layer.
 //! The variables are `messages`, `tools`, `documents` (none unless given),
 //! `add_generation_prompt`, `bos_token`, `eos_token`, and any extra ones the caller adds.
+//!
+//! Known differences from jinja2: looping over `none` gives nothing instead of an error, and
+//! `strftime_now` formats the current UTC time (transformers formats local time).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
