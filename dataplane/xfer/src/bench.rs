@@ -219,7 +219,7 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
 /// Keep `inflight` transfers posted, cycling through `preps`, for `dur` or `count` transfers.
 /// Returns completed transfers and their latencies in tenths of a microsecond.
 ///
-/// When the window is full the driver sleeps until the transfer in the middle of it is done,
+/// When the window is full the driver sleeps until the older half of it is done,
 /// then reaps everything finished from the front: one wake-up per half window instead of one
 /// per transfer. Latency uses the completion time the engine recorded, so it does not include
 /// the driver's own sleep.
@@ -254,7 +254,8 @@ fn drive(
         if q.is_empty() {
             break;
         }
-        let target = if more { q.len() / 2 } else { 0 };
+        // Wake when the older half is done (at least one transfer stays in flight).
+        let target = if more { (q.len() - 1) / 2 } else { 0 };
         q[target].1.wait(wait)?;
         while let Some((t, h)) = q.front() {
             let Some(at) = h.completed_at() else { break };
