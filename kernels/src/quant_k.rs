@@ -90,6 +90,31 @@ pub fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     }
 }
 
+/// All eight 6-bit scales and eight 6-bit mins of a `Q4_K` block at once:
+/// `[scale 0..8, min 0..8]`, the same values as [`scale_min_k4`] gives one at a time.
+///
+/// Works on the three little-endian words of `q` with masks, which is how the SIMD dot
+/// products unpack a block's scales before widening them to 16-bit lanes.
+pub fn unpack_scales_mins_k4(q: &[u8; 12]) -> [u8; 16] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const TOP2: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (w0, w1, w2) = (w(0), w(1), w(2));
+    // Scales 0..4 and mins 0..4 are the low 6 bits of bytes 0..4 and 4..8. Scales 4..8 take
+    // their low 4 bits from the low nibbles of bytes 8..12 and their top 2 bits from the top
+    // of bytes 0..4; mins 4..8 take the high nibbles of bytes 8..12 and the top of bytes 4..8.
+    let scales_lo = w0 & LOW6;
+    let mins_lo = w1 & LOW6;
+    let scales_hi = (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4);
+    let mins_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4);
+    let mut out = [0u8; 16];
+    for (dst, word) in out.chunks_exact_mut(4).zip([scales_lo, scales_hi, mins_lo, mins_hi]) {
+        dst.copy_from_slice(&word.to_le_bytes());
+    }
+    out
+}
+
 /// Scalar reference: `Q4_K` blocks to f32.
 pub fn dequantize_q4_k(blocks: &[BlockQ4K], out: &mut [f32]) {
     for (b, y) in blocks.iter().zip(out.chunks_exact_mut(QK_K)) {
@@ -199,7 +224,8 @@ pub mod weights {
             let mut lm = [0u8; 8];
             for j in 0..8 {
                 ls[j] = if d > 0.0 { (scales[j] / d).round().clamp(0.0, 63.0) as u8 } else { 0 };
-                lm[j] = if dmin > 0.0 { (mins[j] / dmin).round().clamp(0.0, 63.0) as u8 } else { 0 };
+                lm[j] =
+                    if dmin > 0.0 { (mins[j] / dmin).round().clamp(0.0, 63.0) as u8 } else { 0 };
             }
             b.scales = [0; 12];
             for j in 0..8 {
@@ -307,6 +333,18 @@ mod tests {
         for b in &q8 {
             for (s, q) in b.bsums.iter().zip(b.qs.chunks(16)) {
                 assert_eq!(i32::from(*s), q.iter().map(|&v| i32::from(v)).sum::<i32>());
+            }
+        }
+    }
+
+    #[test]
+    fn unpacked_scales_match_one_at_a_time_decoding() {
+        let mut rng = StdRng::seed_from_u64(8);
+        for _ in 0..1000 {
+            let q: [u8; 12] = rng.random();
+            let all = unpack_scales_mins_k4(&q);
+            for j in 0..8 {
+                assert_eq!((all[j], all[8 + j]), scale_min_k4(j, &q), "sub-block {j} of {q:?}");
             }
         }
     }

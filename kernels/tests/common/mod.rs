@@ -1,0 +1,157 @@
+//! Shared helpers of the kernel integration tests: the kernel tables to test, random inputs
+//! and random (valid) quantized blocks.
+
+#![allow(dead_code)]
+
+use bytemuck::Zeroable;
+use half::f16;
+use kvx_kernels::cpu::{Kernels, SimdLevel};
+use kvx_kernels::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK_K};
+use kvx_kernels::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// The kernel table of every level this CPU supports, scalar first. Fails if the detected
+/// level is missing, so a broken detection cannot quietly reduce the tests to scalar only.
+pub fn levels() -> Vec<Kernels> {
+    let ks: Vec<Kernels> = SimdLevel::ALL.iter().filter_map(|&l| Kernels::for_level(l)).collect();
+    assert_eq!(ks[0].level, SimdLevel::Scalar);
+    assert!(ks.iter().any(|k| k.level == SimdLevel::detect()));
+    ks
+}
+
+/// A seeded generator, one per test so tests do not depend on each other's draws.
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// Activation-like values: mostly in ±2, some exact zeros, some outliers up to ±40.
+pub fn randv(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| match i % 37 {
+            0 => 0.0,
+            1 => rng.random_range(-40.0f32..40.0),
+            _ => rng.random_range(-2.0f32..2.0),
+        })
+        .collect()
+}
+
+/// Values of magnitude around `scale`, random sign.
+pub fn rand_scaled(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect()
+}
+
+/// A positive f16 scale of magnitude `lo..hi`.
+pub fn rand_d(rng: &mut StdRng, lo: f32, hi: f32) -> f16 {
+    f16::from_f32(rng.random_range(lo..hi))
+}
+
+/// A signed quant in -127..=127 (the range every ggml quantizer produces).
+pub fn rand_q8(rng: &mut StdRng) -> i8 {
+    rng.random_range(-127i8..=127)
+}
+
+/// Random `Q4_0` blocks (every nibble pattern), `zero_every`-th block all zero.
+pub fn rand_q4_0(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ4_0> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ4_0::zeroed();
+            }
+            BlockQ4_0 { d: rand_d(rng, 1e-3, 0.5), qs: rng.random() }
+        })
+        .collect()
+}
+
+/// Random `Q4_1` blocks with signed minimums.
+pub fn rand_q4_1(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ4_1> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ4_1::zeroed();
+            }
+            BlockQ4_1 {
+                d: rand_d(rng, 1e-3, 0.5),
+                m: f16::from_f32(rng.random_range(-2.0f32..2.0)),
+                qs: rng.random(),
+            }
+        })
+        .collect()
+}
+
+/// Random `Q8_0` blocks.
+pub fn rand_q8_0(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ8_0> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ8_0::zeroed();
+            }
+            BlockQ8_0 { d: rand_d(rng, 1e-3, 0.5), qs: std::array::from_fn(|_| rand_q8(rng)) }
+        })
+        .collect()
+}
+
+/// Random `Q8_1` blocks with a consistent `s = d * sum(qs)`.
+pub fn rand_q8_1(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ8_1> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ8_1::zeroed();
+            }
+            let d = rand_d(rng, 1e-3, 0.5);
+            let qs: [i8; 32] = std::array::from_fn(|_| rand_q8(rng));
+            let sum: i32 = qs.iter().map(|&q| i32::from(q)).sum();
+            BlockQ8_1 { d, s: f16::from_f32(d.to_f32() * sum as f32), qs }
+        })
+        .collect()
+}
+
+/// Random `Q4_K` blocks: every scale/min bit pattern and nibble.
+pub fn rand_q4k(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ4K> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ4K::zeroed();
+            }
+            BlockQ4K {
+                d: rand_d(rng, 1e-4, 0.05),
+                dmin: rand_d(rng, 1e-4, 0.05),
+                scales: rng.random(),
+                qs: std::array::from_fn(|_| rng.random()),
+            }
+        })
+        .collect()
+}
+
+/// Random `Q6_K` blocks: every quant and signed scale.
+pub fn rand_q6k(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ6K> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ6K::zeroed();
+            }
+            BlockQ6K {
+                ql: std::array::from_fn(|_| rng.random()),
+                qh: std::array::from_fn(|_| rng.random()),
+                scales: rng.random(),
+                d: rand_d(rng, 1e-4, 0.05),
+            }
+        })
+        .collect()
+}
+
+/// Random `Q8_K` blocks with consistent group sums (as the quantizer writes them).
+pub fn rand_q8k(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ8K> {
+    (0..nb)
+        .map(|i| {
+            if zero_every > 0 && i % zero_every == zero_every - 1 {
+                return BlockQ8K::zeroed();
+            }
+            let qs: [i8; QK_K] = std::array::from_fn(|_| rand_q8(rng));
+            let mut bsums = [0i16; 16];
+            for (s, g) in bsums.iter_mut().zip(qs.chunks_exact(16)) {
+                *s = g.iter().map(|&q| i16::from(q)).sum();
+            }
+            BlockQ8K { d: rng.random_range(1e-3f32..0.1), qs, bsums }
+        })
+        .collect()
+}
