@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::agent::{Agent, AgentConfig, Backend};
+use crate::agent::{Agent, AgentConfig, Backend, ZeroCopy};
 use crate::desc::{Desc, Op};
 use crate::error::{Result, XferError};
 use crate::meta::AgentMetadata;
@@ -44,6 +44,8 @@ pub struct BenchConfig {
     pub file: PathBuf,
     /// Send a notification with every transfer.
     pub notify: bool,
+    /// Zero-copy send policy (tcp).
+    pub zero_copy: ZeroCopy,
 }
 
 /// Measured result.
@@ -137,6 +139,7 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
     ac.nt_threshold = cfg.nt_threshold;
     ac.max_inflight = cfg.inflight.max(16) * 2;
     ac.ring_entries = 256;
+    ac.tcp_zero_copy = cfg.zero_copy;
     let agent = Agent::new(ac)?;
     let local = agent.alloc_mem(pool)?;
     let huge = agent.is_huge(local)?;

@@ -30,8 +30,11 @@
 //!   and target. Frames ([`wire`]) are pipelined: many transfers in flight per connection,
 //!   sends batched into one `sendmsg` per up to 64 frames, payloads received by one
 //!   `recvmsg(MSG_WAITALL)` straight into the registered region, no staging copy beyond a
-//!   4 KiB header read. Zero-copy send (`SEND_ZC`) is not used: on loopback and veth the
-//!   kernel copies anyway and it measured half the speed of plain send.
+//!   4 KiB header read. Zero-copy send (`SENDMSG_ZC`) is used only where it pays: with
+//!   [`ZeroCopy::Auto`] (the default) a connection starts zero-copy and falls back to plain
+//!   sends as soon as the kernel reports it copied anyway (loopback, veth — where zero-copy
+//!   measured half the speed of a plain send); a zero-copy batch is released only after its
+//!   notification, when the kernel no longer references the pages.
 //! * **file** (local or same-host file regions): `O_DIRECT` `READ_FIXED`/`WRITE_FIXED` on
 //!   registered buffers (memory regions are registered with the ring in 1 GiB chunks) and
 //!   fixed files, many ops in flight.
@@ -83,6 +86,7 @@ pub mod wire;
 
 pub use agent::{
     Agent, AgentConfig, Backend, MAX_REGIONS, MAX_REMOTES, Prepped, RemoteId, XferHandle,
+    XferStats, ZeroCopy,
 };
 pub use desc::{Desc, MAX_DESCS, MAX_XFER_BYTES, Op, pair_lengths};
 pub use error::{Result, XferError};

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{IoUring, opcode, squeue, types};
 
-use crate::agent::{BUF_CHUNK, ConnRef, MemSeg, Prepped, Shared};
+use crate::agent::{BUF_CHUNK, ConnRef, MemSeg, Prepped, Shared, ZeroCopy};
 use crate::desc::{Desc, MAX_DESCS, Op};
 use crate::error::{Result, XferError, peer_errno};
 use crate::meta::AgentMetadata;
@@ -217,6 +217,11 @@ struct Conn {
     tx_batch: Vec<Tx>,
     tx_hdrs: Box<[[u8; HEADER_LEN]]>,
     tx_list: IoList,
+    /// Send with SENDMSG_ZC (see [`ZeroCopy`]); cleared when the kernel reports it copied.
+    zc: bool,
+    /// Zero-copy notifications still owed for the batch in flight; the batch (and the memory
+    /// it points at) is not released before they arrive.
+    zc_notifs: u32,
     reads: Vec<ReadEntry>,
     meta_blob: Vec<u8>,
     name_blob: Vec<u8>,
@@ -229,6 +234,7 @@ impl Conn {
         remote: Option<u32>,
         peer: Arc<str>,
         txq_cap: usize,
+        zc: bool,
     ) -> Box<Conn> {
         Box::new(Conn {
             fd,
@@ -248,6 +254,8 @@ impl Conn {
             tx_batch: Vec::with_capacity(TX_BATCH),
             tx_hdrs: vec![[0u8; HEADER_LEN]; TX_BATCH].into(),
             tx_list: IoList::new(),
+            zc,
+            zc_notifs: 0,
             reads: Vec::new(),
             meta_blob: Vec::new(),
             name_blob: Vec::new(),
@@ -273,7 +281,7 @@ struct Engine {
     bufs_ok: bool,
     files_next: u32,
     wake_buf: Box<u64>,
-    cqes: Vec<(u64, i32)>,
+    cqes: Vec<(u64, i32, u32)>,
     txq_cap: usize,
 }
 
@@ -415,16 +423,20 @@ impl Engine {
         loop {
             self.cqes.clear();
             for c in self.ring.completion() {
-                self.cqes.push((c.user_data(), c.result()));
+                self.cqes.push((c.user_data(), c.result(), c.flags()));
             }
             if self.cqes.is_empty() {
                 return;
             }
             let n = self.cqes.len();
             for i in 0..n {
-                let (u, res) = self.cqes[i];
+                let (u, res, flags) = self.cqes[i];
+                if io_uring::cqueue::more(flags) {
+                    // A zero-copy send: its notification CQE is still to come.
+                    self.inflight += 1;
+                }
                 self.inflight = self.inflight.saturating_sub(1);
-                self.completion(u, res);
+                self.completion(u, res, flags);
             }
             let _ = self.ring.submit();
         }
@@ -473,9 +485,10 @@ impl Engine {
             let _ = self.ring.submitter().submit_with_args(1, &args);
             self.cqes.clear();
             for c in self.ring.completion() {
-                self.cqes.push((c.user_data(), c.result()));
+                self.cqes.push((c.user_data(), c.result(), c.flags()));
             }
-            self.inflight = self.inflight.saturating_sub(self.cqes.len());
+            let more = self.cqes.iter().filter(|c| io_uring::cqueue::more(c.2)).count();
+            self.inflight = (self.inflight + more).saturating_sub(self.cqes.len());
         }
         if self.inflight > 0 {
             // The kernel still holds buffers: leak the connection state rather than free
@@ -553,7 +566,8 @@ impl Engine {
         };
         self.conn_gen = self.conn_gen.wrapping_add(1);
         let seq = self.conn_gen;
-        self.conns[idx] = Some(Conn::new(fd, seq, remote, peer, self.txq_cap));
+        let zc = self.sh.cfg.tcp_zero_copy != ZeroCopy::Never;
+        self.conns[idx] = Some(Conn::new(fd, seq, remote, peer, self.txq_cap, zc));
         self.kick_rx(idx as u32);
         Ok(ConnRef { idx: idx as u32, seq })
     }
@@ -730,7 +744,7 @@ impl Engine {
 
     // ---------------------------------------------------------------- completions
 
-    fn completion(&mut self, u: u64, res: i32) {
+    fn completion(&mut self, u: u64, res: i32, flags: u32) {
         let tag = u >> 56;
         let a = ((u >> 32) & 0xff_ffff) as u32;
         let b = u as u32;
@@ -748,7 +762,7 @@ impl Engine {
                 }
             }
             TAG_RX => self.rx_done(a, b, res),
-            TAG_TX => self.tx_done(a, b, res),
+            TAG_TX => self.tx_done(a, b, res, flags),
             TAG_FILE => self.file_done(a, b, res),
             _ => {}
         }
@@ -1234,42 +1248,82 @@ impl Engine {
         if c.tx_batch.is_empty() {
             return;
         }
-        let fd = types::Fd(c.fd.as_raw_fd());
         let m = c.tx_list.msg_ptr();
         let u = ud(TAG_TX, ci, c.seq);
         c.tx_busy = true;
-        let e = opcode::SendMsg::new(fd, m)
-            .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
-            .build();
+        let e = send_op(c.fd.as_raw_fd(), m, c.zc);
+        let k = &self.sh.counters;
+        k.tcp_sends.fetch_add(1, Ordering::Relaxed);
+        if c.zc {
+            k.tcp_zc_sends.fetch_add(1, Ordering::Relaxed);
+        }
         self.push(e.user_data(u));
     }
 
-    fn tx_done(&mut self, ci: u32, seq: u32, res: i32) {
+    fn tx_done(&mut self, ci: u32, seq: u32, res: i32, flags: u32) {
+        let auto = self.sh.cfg.tcp_zero_copy == ZeroCopy::Auto;
         let c = match self.conns.get_mut(ci as usize) {
             Some(Some(c)) if c.seq == seq => c,
             _ => return,
         };
+        if io_uring::cqueue::notif(flags) {
+            // The kernel let go of a zero-copy send's pages. Where it had to copy anyway
+            // (loopback, veth) zero-copy only costs: fall back to plain sends for good.
+            c.zc_notifs = c.zc_notifs.saturating_sub(1);
+            if res & NOTIF_USAGE_ZC_COPIED != 0 {
+                self.sh.counters.tcp_zc_copied.fetch_add(1, Ordering::Relaxed);
+                if auto {
+                    c.zc = false;
+                }
+            }
+            if c.zc_notifs > 0 {
+                return;
+            }
+            if c.dead {
+                c.tx_busy = false;
+                self.maybe_free(ci);
+                return;
+            }
+            if c.tx_list.remaining() > 0 || !c.tx_busy {
+                return; // a resubmitted remainder is still in flight
+            }
+            // Fall through: the batch's bytes were all sent earlier; release it now.
+        } else {
+            if io_uring::cqueue::more(flags) {
+                c.zc_notifs += 1;
+            }
+            if c.dead {
+                if c.zc_notifs == 0 {
+                    c.tx_busy = false;
+                }
+                self.maybe_free(ci);
+                return;
+            }
+            if res < 0 {
+                let e = self.conn_error(ci, -res);
+                let Some(Some(c)) = self.conns.get_mut(ci as usize) else { return };
+                if c.zc_notifs == 0 {
+                    c.tx_busy = false;
+                }
+                self.fail_conn(ci, e);
+                return;
+            }
+            c.tx_list.advance(res as usize);
+            if c.tx_list.remaining() > 0 {
+                // Partial send (interrupted): resubmit the rest of the same batch.
+                let m = c.tx_list.msg_ptr();
+                let e = send_op(c.fd.as_raw_fd(), m, c.zc).user_data(ud(TAG_TX, ci, seq));
+                self.push(e);
+                return;
+            }
+            if c.zc_notifs > 0 {
+                return; // released when the notification arrives
+            }
+        }
+        let Some(Some(c)) = self.conns.get_mut(ci as usize) else { return };
         c.tx_busy = false;
         if c.dead {
             self.maybe_free(ci);
-            return;
-        }
-        if res < 0 {
-            let e = self.conn_error(ci, -res);
-            self.fail_conn(ci, e);
-            return;
-        }
-        c.tx_list.advance(res as usize);
-        if c.tx_list.remaining() > 0 {
-            // Partial send (interrupted): resubmit the rest of the same batch.
-            let fd = types::Fd(c.fd.as_raw_fd());
-            let m = c.tx_list.msg_ptr();
-            c.tx_busy = true;
-            let e = opcode::SendMsg::new(fd, m)
-                .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
-                .build()
-                .user_data(ud(TAG_TX, ci, seq));
-            self.push(e);
             return;
         }
         let mut unstall = false;
@@ -1320,6 +1374,22 @@ fn validate(
         total += d.len;
     }
     if total != payload { status::PROTOCOL } else { status::OK }
+}
+
+/// `IORING_SEND_ZC_REPORT_USAGE`: the notification says whether the kernel had to copy.
+const SEND_ZC_REPORT_USAGE: u16 = 8;
+/// `IORING_NOTIF_USAGE_ZC_COPIED`, set in a notification's result when it copied.
+const NOTIF_USAGE_ZC_COPIED: i32 = i32::MIN;
+
+/// The send op for a connection's batch: plain `sendmsg`, or `sendmsg_zc` asking the kernel
+/// to report whether it really avoided the copy.
+fn send_op(fd: RawFd, m: *const libc::msghdr, zc: bool) -> squeue::Entry {
+    let flags = (libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32;
+    if zc {
+        opcode::SendMsgZc::new(types::Fd(fd), m).ioprio(SEND_ZC_REPORT_USAGE).flags(flags).build()
+    } else {
+        opcode::SendMsg::new(types::Fd(fd), m).flags(flags).build()
+    }
 }
 
 fn set_nodelay(fd: RawFd) -> std::io::Result<()> {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvx_xfer::{
     Agent, AgentConfig, AgentMetadata, Backend, DIRECT_IO_ALIGN, Desc, Op, RegionId, RemoteId,
-    XferError, XferStatus,
+    XferError, XferStatus, ZeroCopy,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -48,8 +48,19 @@ impl Drop for Fx {
     }
 }
 
-fn agent(name: &str) -> Agent {
+thread_local! {
+    /// Zero-copy policy for agents built by this test thread (each test runs on its own).
+    static ZC: std::cell::Cell<ZeroCopy> = const { std::cell::Cell::new(ZeroCopy::Auto) };
+}
+
+fn base_cfg(name: &str) -> AgentConfig {
     let mut c = AgentConfig::new(name);
+    c.tcp_zero_copy = ZC.with(|z| z.get());
+    c
+}
+
+fn agent(name: &str) -> Agent {
+    let mut c = base_cfg(name);
     c.max_inflight = 512;
     Agent::new(c).expect("agent starts")
 }
@@ -360,7 +371,7 @@ fn cross_process_round_trip(backend: Backend) {
 
 fn peer_killed_mid_transfer(backend: Backend) {
     let mut peer = spawn_peer(backend == Backend::File, 1);
-    let mut cfg = AgentConfig::new("init");
+    let mut cfg = base_cfg("init");
     cfg.xfer_timeout = Duration::from_secs(10);
     let a = Agent::new(cfg).unwrap();
     let local = a.alloc_mem(32 << 20).unwrap();
@@ -426,7 +437,7 @@ fn peer_killed_mid_transfer(backend: Backend) {
 /// duplicated, transfers complete once it drains (back-pressure, not loss).
 fn notifications_back_pressure_not_loss(backend: Backend) {
     let small = |name: &str| {
-        let mut cfg = AgentConfig::new(name);
+        let mut cfg = base_cfg(name);
         cfg.notif_capacity = 4;
         Agent::new(cfg).unwrap()
     };
@@ -486,6 +497,40 @@ macro_rules! suite {
 
 suite!(shm => Backend::Shm, tcp => Backend::Tcp, file => Backend::File);
 
+/// The TCP suite again with zero-copy sends forced on (on loopback the kernel copies, but the
+/// two-completion protocol and buffer lifetimes are exercised all the same).
+mod tcp_zero_copy {
+    use super::*;
+    fn zc() {
+        ZC.with(|z| z.set(ZeroCopy::Always));
+    }
+    #[test]
+    fn random_lists() {
+        zc();
+        random_lists_verified_byte_for_byte(Backend::Tcp)
+    }
+    #[test]
+    fn out_of_bounds() {
+        zc();
+        out_of_bounds_rejected(Backend::Tcp)
+    }
+    #[test]
+    fn many_in_flight_any_order() {
+        zc();
+        many_in_flight_complete_in_any_order(Backend::Tcp)
+    }
+    #[test]
+    fn peer_killed() {
+        zc();
+        peer_killed_mid_transfer(Backend::Tcp)
+    }
+    #[test]
+    fn notif_back_pressure() {
+        zc();
+        notifications_back_pressure_not_loss(Backend::Tcp)
+    }
+}
+
 #[test]
 fn backend_chosen_by_locality() {
     let fx = fixture(Backend::Shm);
@@ -544,7 +589,7 @@ fn tcp_peer_that_stops_answering_times_out() {
         let mut sink = vec![0u8; 1 << 16];
         while s.read(&mut sink).map(|n| n > 0).unwrap_or(false) {}
     });
-    let mut cfg = AgentConfig::new("init");
+    let mut cfg = base_cfg("init");
     cfg.xfer_timeout = Duration::from_millis(500);
     let a = Agent::new(cfg).unwrap();
     let local = a.alloc_mem(1 << 20).unwrap();
@@ -595,7 +640,7 @@ fn self_overlap_rejected() {
 
 #[test]
 fn hugepage_regions_when_reserved_typed_error_otherwise() {
-    let mut c = AgentConfig::new("huge");
+    let mut c = base_cfg("huge");
     c.hugepages = kvx_xfer::HugePages::Require;
     let a = Agent::new(c).unwrap();
     match a.alloc_mem(4 << 20) {
@@ -625,4 +670,37 @@ fn hugepage_regions_when_reserved_typed_error_otherwise() {
     // Auto never fails for lack of hugepages.
     let b = agent("auto");
     assert!(b.alloc_mem(4 << 20).is_ok());
+}
+
+#[test]
+fn zero_copy_auto_falls_back_where_the_kernel_copies() {
+    let run = |mode: ZeroCopy| {
+        let mut c = AgentConfig::new("zc");
+        c.tcp_zero_copy = mode;
+        let a = Agent::new(c).unwrap();
+        let b = agent("target");
+        let la = a.alloc_mem(1 << 20).unwrap();
+        let rb = b.alloc_mem(1 << 20).unwrap();
+        let r = a.add_remote(&b.metadata()).unwrap();
+        let p = a
+            .prep(r, &[Desc::new(la, 0, 1 << 16)], &[Desc::new(rb, 0, 1 << 16)], Some(Backend::Tcp))
+            .unwrap();
+        for _ in 0..50 {
+            a.post(Op::Write, &p, b"").unwrap().wait(WAIT).unwrap();
+        }
+        a.stats()
+    };
+    let never = run(ZeroCopy::Never);
+    assert_eq!(never.tcp_zc_sends, 0);
+    assert!(never.tcp_sends > 0);
+    let always = run(ZeroCopy::Always);
+    assert_eq!(always.tcp_zc_sends, always.tcp_sends, "{always:?}");
+    let auto = run(ZeroCopy::Auto);
+    eprintln!("zero-copy auto on this host: {auto:?}");
+    if auto.tcp_zc_copied > 0 {
+        // Loopback: the kernel copies, so auto stops using zero-copy after the first report.
+        assert!(auto.tcp_zc_sends < auto.tcp_sends / 2, "{auto:?}");
+    } else {
+        assert_eq!(auto.tcp_zc_sends, auto.tcp_sends, "{auto:?}");
+    }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use kvx_xfer::bench::{BenchConfig, BenchReport};
 use kvx_xfer::peer::PeerConfig;
-use kvx_xfer::{Agent, AgentMetadata, Backend, HugePages, Op};
+use kvx_xfer::{Agent, AgentMetadata, Backend, HugePages, Op, ZeroCopy};
 
 /// Arguments of `kvx bench xfer`.
 #[derive(Debug, clap::Args)]
@@ -59,6 +59,9 @@ pub(crate) struct XferArgs {
     /// Send a notification with every transfer.
     #[arg(long)]
     notify: bool,
+    /// Zero-copy TCP sends: auto keeps them only where the kernel does not copy anyway.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
+    zero_copy: String,
     /// Print one JSON object per run instead of a text line.
     #[arg(long)]
     json: bool,
@@ -151,6 +154,11 @@ pub(crate) fn run(a: XferArgs) -> anyhow::Result<()> {
         nt_threshold: usize::try_from(a.nt_threshold).unwrap_or(usize::MAX),
         file: file.clone(),
         notify: a.notify,
+        zero_copy: match a.zero_copy.as_str() {
+            "always" => ZeroCopy::Always,
+            "never" => ZeroCopy::Never,
+            _ => ZeroCopy::Auto,
+        },
     };
     let mut _peer = None;
     let md = match (backend, a.peer) {
