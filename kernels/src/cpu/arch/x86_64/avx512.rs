@@ -2,6 +2,14 @@
 //! 16-lane float ops with masked tails, and (when the CPU has AVX512_BF16) `vdpbf16ps` for
 //! bf16 dot products.
 //!
+//! The quantized dot products keep ggml's 8-lane association (one 256-bit accumulator,
+//! blocks in order; VNNI only in the exact integer part), so they equal ggml's x86
+//! `vec_dot` bit for bit (`tests/ggml_order.rs`). Variants that put two blocks of one row in
+//! a 512-bit register were measured (48 blocks, Zen 4): not faster for `Q4_0`/`Q4_1`/`Q8_0`
+//! once the scale conversion stopped chaining blocks, ~10% faster for `Q6_K`, and they change
+//! the rounding. The 512-bit width pays where each half carries an independent dot product
+//! (two rows or two tokens per register), which is a matrix-kernel concern.
+//!
 //! # Safety
 //! Every `imp_*` function requires the features listed in its `target_feature` attribute.
 //! They are only reachable through safe wrappers stored in the table built by [`kernels`],
