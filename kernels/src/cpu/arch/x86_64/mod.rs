@@ -2,3 +2,6 @@
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+
+#[cfg(test)]
+mod tests;
