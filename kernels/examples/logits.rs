@@ -1,5 +1,6 @@
 //! Prints the top logits of the last token of a prompt given as token ids (debugging aid).
 
+use std::io::Write;
 use std::sync::Arc;
 
 use kvx_kernels::cpu;
@@ -28,8 +29,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     model.forward(k, &pool, &[chunk], &mut kv, &mut s, &mut logits)?;
     let mut idx: Vec<usize> = (0..logits.len()).collect();
     idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let mut out = std::io::stdout().lock();
     for &i in &idx[..5] {
-        println!("{i} {:.6}", logits[i]);
+        if writeln!(out, "{i} {:.6}", logits[i]).is_err() {
+            break;
+        }
     }
     Ok(())
 }

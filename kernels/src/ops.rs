@@ -229,13 +229,19 @@ pub fn rope_cache(pos: u32, n_dims: usize, freq_base: f32, freq_factors: Option<
     }
 }
 
+/// One rotated pair, associated as ggml's compiled C does (GCC contracts
+/// `x0*c - x1*s` to `fma(x0, c, -(x1*s))` and `x0*s + x1*c` to `fma(x0, s, x1*c)`).
+#[inline]
+fn rotate(x0: f32, x1: f32, c: f32, s: f32) -> (f32, f32) {
+    (x0.mul_add(c, -(x1 * s)), x0.mul_add(s, x1 * c))
+}
+
 /// Applies rope in "normal" mode (adjacent pairs) to the first `n_dims` of `x`.
 pub fn rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize) {
     for i in 0..n_dims / 2 {
-        let (c, s) = (cache[2 * i], cache[2 * i + 1]);
-        let (x0, x1) = (x[2 * i], x[2 * i + 1]);
-        x[2 * i] = x0 * c - x1 * s;
-        x[2 * i + 1] = x0 * s + x1 * c;
+        let (a, b) = rotate(x[2 * i], x[2 * i + 1], cache[2 * i], cache[2 * i + 1]);
+        x[2 * i] = a;
+        x[2 * i + 1] = b;
     }
 }
 
@@ -243,10 +249,9 @@ pub fn rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize) {
 pub fn rope_neox(x: &mut [f32], cache: &[f32], n_dims: usize) {
     let h = n_dims / 2;
     for i in 0..h {
-        let (c, s) = (cache[2 * i], cache[2 * i + 1]);
-        let (x0, x1) = (x[i], x[i + h]);
-        x[i] = x0 * c - x1 * s;
-        x[i + h] = x0 * s + x1 * c;
+        let (a, b) = rotate(x[i], x[i + h], cache[2 * i], cache[2 * i + 1]);
+        x[i] = a;
+        x[i + h] = b;
     }
 }
 

@@ -30,6 +30,14 @@ render
     environment with trim_blocks and lstrip_blocks, loop controls, the {% generation %} tag,
     raise_exception, strftime_now, and a json.dumps-based tojson.
 
+generate --model GGUF [--threads N] [--ctx N]
+    in:  {"prompt_ids": [int], "max_tokens": int}
+    out: {"token_ids": [int], "top2": [[id1, logit1, id2, logit2], ...]}
+    Greedy decoding the way llama-cpp-python's Llama.eval drives llama.cpp: the prompt in
+    batches of 512 tokens, then one token per llama_decode; the first maximum is taken;
+    generation stops after an end-of-generation token (included) or max_tokens. top2 gives,
+    for each generated token, the two highest logits at that step.
+
 New subcommands go beside these: add a `cmd_<name>(args)` function and register it in
 `build_parser()`. Only llama_cpp, jinja2, numpy and the standard library may be imported.
 """
@@ -236,6 +244,52 @@ def cmd_render(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# generation oracle
+# ---------------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import numpy as np
+    import llama_cpp as lc
+
+    model, vocab = load_model(args.model, vocab_only=False)
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = args.ctx
+    cp.n_batch = 512
+    cp.n_ubatch = 512
+    cp.n_threads = args.threads
+    cp.n_threads_batch = args.threads
+    cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED  # llama-cpp-python's default
+    ctx = lc.llama_init_from_model(model, cp)
+    if not ctx:
+        raise SystemExit("llama.cpp could not create a context")
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+
+    def decode(tokens: list[int]) -> None:
+        arr = (lc.llama_token * len(tokens))(*tokens)
+        if lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(tokens))) != 0:
+            raise SystemExit("llama_decode failed")
+
+    for req in read_jsonl():
+        prompt = [int(t) for t in req["prompt_ids"]]
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        for i in range(0, len(prompt), 512):
+            decode(prompt[i:i + 512])
+        out: list[int] = []
+        top2: list[list[float]] = []
+        for _ in range(int(req["max_tokens"])):
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            order = np.argsort(-logits, kind="stable")[:2]
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            top2.append([int(order[0]), float(logits[order[0]]), int(order[1]), float(logits[order[1]])])
+            if lc.llama_vocab_is_eog(vocab, tok) or len(out) == int(req["max_tokens"]):
+                break
+            decode([tok])
+        emit({"token_ids": out, "top2": top2})
+
+
+# ---------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------
 
@@ -253,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("tokenize", cmd_tokenize, "token ids for JSON-line texts", model=True)
     add("vocab", cmd_vocab, "special ids, attributes and pieces of every token", model=True)
     add("render", cmd_render, "chat templates rendered as transformers does", model=False)
+    add("generate", cmd_generate, "greedy token ids and top-2 logits per step", model=True)
+    gen = sub.choices["generate"]
+    gen.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    gen.add_argument("--ctx", type=int, default=4096, help="context size (a multiple of 256)")
     return parser
 
 

@@ -12,6 +12,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::Kernels;
+use crate::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 use super::exact::Reduce;
 #[cfg(test)]
 use super::exact::shapes;
@@ -32,6 +33,14 @@ wrapper!("avx2", dot_f16_gemm_avx2 => imp_dot_f16_gemm_avx2(x: &[f16], y: &[f16]
 wrapper!("avx2", softmax_avx2 => imp_softmax_avx2(x: &mut [f32], scale: f32));
 wrapper!("avx2", swiglu_avx2 => imp_swiglu_avx2(g: &[f32], u: &[f32], out: &mut [f32]));
 wrapper!("avx2", fma_f16_avx2 => imp_fma_f16_avx2(a: f32, x: &[f16], y: &mut [f32]));
+wrapper!("avx2", quantize_q8_0_avx2 => imp_quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]));
+wrapper!("avx2", quantize_q8_1_avx2 => imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]));
+wrapper!("avx2", dot_q4_0_q8_0_avx2 => imp_dot_q4_0_q8_0_avx2(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32);
+wrapper!("avx2", dot_q4_1_q8_1_avx2 => imp_dot_q4_1_q8_1_avx2(x: &[BlockQ4_1], y: &[BlockQ8_1]) -> f32);
+wrapper!("avx2", dot_q8_0_q8_0_avx2 => imp_dot_q8_0_q8_0_avx2(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32);
+wrapper!("vnni", dot_q4_0_q8_0_vnni => imp_dot_q4_0_q8_0_vnni(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32);
+wrapper!("vnni", dot_q4_1_q8_1_vnni => imp_dot_q4_1_q8_1_vnni(x: &[BlockQ4_1], y: &[BlockQ8_1]) -> f32);
+wrapper!("vnni", dot_q8_0_q8_0_vnni => imp_dot_q8_0_q8_0_vnni(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32);
 wrapper!("avx512", dot_f16_decode_512 => imp_dot_f16_decode_512(x: &[f16], y: &[f16]) -> f32);
 wrapper!("avx512", dot_f16_gemm_512 => imp_dot_f16_gemm_512(x: &[f16], y: &[f16]) -> f32);
 wrapper!("avx512", softmax_512 => imp_softmax_512(x: &mut [f32], scale: f32));
@@ -44,6 +53,11 @@ pub(crate) fn patch_avx2(k: &mut Kernels) {
     k.softmax = softmax_avx2;
     k.swiglu = swiglu_avx2;
     k.axpy_f16 = fma_f16_avx2;
+    k.quantize_q8_0 = quantize_q8_0_avx2;
+    k.quantize_q8_1 = quantize_q8_1_avx2;
+    k.dot_q4_0_q8_0 = dot_q4_0_q8_0_avx2;
+    k.dot_q4_1_q8_1 = dot_q4_1_q8_1_avx2;
+    k.dot_q8_0_q8_0 = dot_q8_0_q8_0_avx2;
 }
 
 pub(crate) fn patch_avx512(k: &mut Kernels) {
@@ -53,6 +67,11 @@ pub(crate) fn patch_avx512(k: &mut Kernels) {
     k.softmax = softmax_512;
     k.swiglu = swiglu_512;
     k.axpy_f16 = fma_f16_avx2;
+    k.quantize_q8_0 = quantize_q8_0_avx2;
+    k.quantize_q8_1 = quantize_q8_1_avx2;
+    k.dot_q4_0_q8_0 = dot_q4_0_q8_0_vnni;
+    k.dot_q4_1_q8_1 = dot_q4_1_q8_1_vnni;
+    k.dot_q8_0_q8_0 = dot_q8_0_q8_0_vnni;
 }
 
 fn f32_bits(b: u32) -> f32 {
@@ -232,6 +251,153 @@ fn imp_fma_f16_avx2(a: f32, x: &[f16], y: &mut [f32]) {
     }
     for j in i..n {
         y[j] = a.mul_add(x[j].to_f32(), y[j]);
+    }
+}
+
+// Quantized dot products: ggml's x86 `vec_dot_*` keep 8 f32 lanes, each fed by the integer
+// sum of 4 consecutive byte products of a block (`maddubs`+`madd`, or `vpdpbusd` when ggml
+// is built with AVX-512 VNNI: the same integers), scaled and accumulated with one FMA per
+// block, then reduced with `hsum_float_8` (the movehl tree).
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn nibbles32(qs: &[u8; 16]) -> __m256i {
+    // SAFETY: `qs` is 16 readable bytes.
+    let tmp = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(tmp), tmp), _mm256_set1_epi8(0x0f))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn bytes32(qs: &[i8; 32]) -> __m256i {
+    // SAFETY: `qs` is 32 readable bytes.
+    unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn us8_avx2(ax: __m256i, sy: __m256i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[inline]
+fn us8_vnni(ax: __m256i, sy: __m256i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum8(v: __m256) -> f32 {
+    Reduce::YmmMovehl.apply(&lanes8(v))
+}
+
+macro_rules! qdots {
+    ($feat:literal, $us8:ident, $q40:ident, $q41:ident, $q80:ident) => {
+        #[target_feature(enable = $feat)]
+        fn $q40(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32 {
+            let mut acc = _mm256_setzero_ps();
+            for (x, y) in x.iter().zip(y) {
+                let d = _mm256_set1_ps(x.d.to_f32() * y.d.to_f32());
+                let qx = _mm256_sub_epi8(nibbles32(&x.qs), _mm256_set1_epi8(8));
+                let qy = bytes32(&y.qs);
+                let q = $us8(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+                acc = _mm256_fmadd_ps(d, q, acc);
+            }
+            hsum8(acc)
+        }
+
+        #[target_feature(enable = $feat)]
+        fn $q41(x: &[BlockQ4_1], y: &[BlockQ8_1]) -> f32 {
+            let mut acc = _mm256_setzero_ps();
+            let mut summs = 0.0f32;
+            for (x, y) in x.iter().zip(y) {
+                // ggml's C `summs += m * s` is contracted to an FMA by GCC.
+                summs = x.m.to_f32().mul_add(y.s.to_f32(), summs);
+                let d = _mm256_set1_ps(x.d.to_f32() * y.d.to_f32());
+                acc = _mm256_fmadd_ps(d, $us8(nibbles32(&x.qs), bytes32(&y.qs)), acc);
+            }
+            hsum8(acc) + summs
+        }
+
+        #[target_feature(enable = $feat)]
+        fn $q80(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
+            let mut acc = _mm256_setzero_ps();
+            for (x, y) in x.iter().zip(y) {
+                let d = _mm256_set1_ps(x.d.to_f32() * y.d.to_f32());
+                let (qx, qy) = (bytes32(&x.qs), bytes32(&y.qs));
+                let q = $us8(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+                acc = _mm256_fmadd_ps(d, q, acc);
+            }
+            hsum8(acc)
+        }
+    };
+}
+
+qdots!("avx2,fma,f16c", us8_avx2, imp_dot_q4_0_q8_0_avx2, imp_dot_q4_1_q8_1_avx2, imp_dot_q8_0_q8_0_avx2);
+qdots!(
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    us8_vnni,
+    imp_dot_q4_0_q8_0_vnni,
+    imp_dot_q4_1_q8_1_vnni,
+    imp_dot_q8_0_q8_0_vnni
+);
+
+/// ggml's AVX2 block quantizer: (d, 32 quants, sum of quants); `id = 127 / amax`,
+/// round half to even.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn quantize32(x: &[f32]) -> (f32, __m256i, i32) {
+    debug_assert!(x.len() >= 32);
+    // SAFETY: callers pass chunks of exactly 32 floats.
+    let (v0, v1, v2, v3) = unsafe {
+        let p = x.as_ptr();
+        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24)))
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_andnot_ps(sign, v0);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v1));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v2));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v3));
+    let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
+    let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    let amax = _mm_cvtss_f32(m4);
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mul = _mm256_set1_ps(id);
+    const R: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let i0 = _mm256_cvtps_epi32(_mm256_round_ps::<R>(_mm256_mul_ps(v0, mul)));
+    let i1 = _mm256_cvtps_epi32(_mm256_round_ps::<R>(_mm256_mul_ps(v1, mul)));
+    let i2 = _mm256_cvtps_epi32(_mm256_round_ps::<R>(_mm256_mul_ps(v2, mul)));
+    let i3 = _mm256_cvtps_epi32(_mm256_round_ps::<R>(_mm256_mul_ps(v3, mul)));
+    let s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<0b01>(s2)));
+    let packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    let q = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    (d, q, sum)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn imp_quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
+    for (b, x) in out.iter_mut().zip(x.chunks_exact(32)) {
+        let (d, q, _) = quantize32(x);
+        b.d = f16::from_f32(d);
+        // SAFETY: `b.qs` is 32 writable bytes.
+        unsafe { _mm256_storeu_si256(b.qs.as_mut_ptr().cast(), q) };
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    for (b, x) in out.iter_mut().zip(x.chunks_exact(32)) {
+        let (d, q, sum) = quantize32(x);
+        b.d = f16::from_f32(d);
+        b.s = f16::from_f32(d * sum as f32);
+        // SAFETY: `b.qs` is 32 writable bytes.
+        unsafe { _mm256_storeu_si256(b.qs.as_mut_ptr().cast(), q) };
     }
 }
 

@@ -128,6 +128,23 @@ impl LlamaModel {
         s: &mut Scratch,
         logits: &mut [f32],
     ) -> Result<usize, ModelError> {
+        self.forward_traced(k, pool, chunks, kv, s, logits, &mut |_, _, _| {})
+    }
+
+    /// [`LlamaModel::forward`] that shows intermediate tensors to `trace(name, layer, data)`,
+    /// named as llama.cpp names them (`attn_norm`, `Qcur`, `Kcur`, `Vcur`, `kqv_out`,
+    /// `ffn_inp`, `ffn_out`, `l_out`), each `tokens × width` row-major.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_traced(
+        &self,
+        k: &Kernels,
+        pool: &ThreadPool,
+        chunks: &[SeqChunk<'_>],
+        kv: &mut KvCache,
+        s: &mut Scratch,
+        logits: &mut [f32],
+        trace: &mut dyn FnMut(&str, usize, &[f32]),
+    ) -> Result<usize, ModelError> {
         let c = &self.cfg;
         let (d, qd, kvd, ff, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff, c.head_dim);
 
@@ -197,6 +214,7 @@ impl LlamaModel {
             for t in 0..n {
                 (k.rmsnorm)(&s.x[t * d..(t + 1) * d], &l.attn_norm, c.norm_eps, &mut s.xn[t * d..(t + 1) * d]);
             }
+            trace("attn_norm", li, &s.xn[..n * d]);
             let wq = self.view(&l.wq)?;
             let wk = self.view(&l.wk)?;
             let wv = self.view(&l.wv)?;
@@ -228,6 +246,9 @@ impl LlamaModel {
                     rope(&mut s.k[t * kvd + h * hd..t * kvd + (h + 1) * hd], cache, rd);
                 }
             }
+            trace("Qcur", li, &s.q[..n * qd]);
+            trace("Kcur", li, &s.k[..n * kvd]);
+            trace("Vcur", li, &s.v[..n * kvd]);
             for (t, &(ci, pos)) in s.tok.iter().enumerate() {
                 let ch = &chunks[ci as usize];
                 let pos = pos as usize;
@@ -268,6 +289,7 @@ impl LlamaModel {
                 return Err(ModelError::Batch("attention failed (inconsistent cache view)".into()));
             }
 
+            trace("kqv_out", li, &s.attn[..n * qd]);
             let wo = self.view(&l.wo)?;
             let xq = quantize_activations(k, wo.act_ty(), &s.attn[..n * qd], qd, act)?;
             matmul(k, pool, &wo, xq, n, &mut s.xn[..n * d])?;
@@ -275,6 +297,7 @@ impl LlamaModel {
                 *x += o;
             }
 
+            trace("ffn_inp", li, &s.x[..n * d]);
             // Feed-forward block.
             for t in 0..n {
                 (k.rmsnorm)(&s.x[t * d..(t + 1) * d], &l.ffn_norm, c.norm_eps, &mut s.xn[t * d..(t + 1) * d]);
@@ -293,12 +316,15 @@ impl LlamaModel {
                 let (g, u) = (&s.gate[r.clone()], &mut s.up[r]);
                 swiglu_in_place(k, g, u);
             }
+            trace("ffn_swiglu", li, &s.up[..n * ff]);
             let wd = self.view(&l.w_down)?;
             let xq = quantize_activations(k, wd.act_ty(), &s.up[..n * ff], ff, act)?;
             matmul(k, pool, &wd, xq, n, &mut s.xn[..n * d])?;
+            trace("ffn_out", li, &s.xn[..n * d]);
             for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
                 *x += o;
             }
+            trace("l_out", li, &s.x[..n * d]);
         }
 
         // Output head for the rows that want logits.

@@ -1,6 +1,7 @@
 //! The `kvx` binary: one entry point for serving, generation, model management and benchmarks.
 
 mod cmd;
+mod models;
 
 use clap::Parser;
 

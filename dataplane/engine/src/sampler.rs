@@ -1,0 +1,356 @@
+//! Token sampling: penalties, temperature, top-k / top-p / min-p filtering and a seeded,
+//! reproducible draw. Greedy (temperature 0) picks the first maximum, as llama.cpp does.
+//!
+//! A [`Sampler`] owns its scratch (one entry per vocabulary token), sized once; sampling a
+//! token allocates nothing.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Sampling parameters of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (1 = all).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 = none).
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Divides positive logits (multiplies negative ones) of tokens seen in the prompt or
+    /// output (1 = off).
+    pub repetition_penalty: f32,
+    /// Seed of the request's random stream; `None` draws one from the OS.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    /// Checks ranges; the message names the offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        let finite = |v: f32, name: &str| {
+            if v.is_finite() { Ok(()) } else { Err(format!("{name} must be a finite number")) }
+        };
+        finite(self.temperature, "temperature")?;
+        finite(self.top_p, "top_p")?;
+        finite(self.min_p, "min_p")?;
+        finite(self.presence_penalty, "presence_penalty")?;
+        finite(self.frequency_penalty, "frequency_penalty")?;
+        finite(self.repetition_penalty, "repetition_penalty")?;
+        if self.temperature < 0.0 {
+            return Err("temperature must be >= 0".into());
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err("top_p must be in (0, 1]".into());
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err("min_p must be in [0, 1]".into());
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return Err("presence_penalty must be in [-2, 2]".into());
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return Err("frequency_penalty must be in [-2, 2]".into());
+        }
+        if self.repetition_penalty <= 0.0 {
+            return Err("repetition_penalty must be > 0".into());
+        }
+        Ok(())
+    }
+
+    /// Whether any penalty is active.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+}
+
+/// The per-request sampling state: its random stream and the token counts penalties need.
+#[derive(Debug, Clone)]
+pub struct SamplerState {
+    rng: ChaCha8Rng,
+}
+
+impl SamplerState {
+    /// A state for `params` (seeded from `params.seed`, or from `fallback_seed`).
+    pub fn new(params: &SamplingParams, fallback_seed: u64) -> Self {
+        SamplerState { rng: ChaCha8Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)) }
+    }
+}
+
+/// A sampled token with its log-probability under the final (filtered, tempered)
+/// distribution.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    /// Token id.
+    pub token: u32,
+    /// Log-probability of `token` under the unfiltered distribution at temperature 1
+    /// (what OpenAI's `logprobs` report).
+    pub logprob: f32,
+}
+
+/// Sampling scratch for one vocabulary size (one per engine, reused for every token).
+#[derive(Debug)]
+pub struct Sampler {
+    idx: Vec<u32>,
+    probs: Vec<f32>,
+    counts: Vec<u32>,
+    touched: Vec<u32>,
+}
+
+impl Sampler {
+    /// Scratch for a vocabulary of `n_vocab` tokens.
+    pub fn new(n_vocab: usize) -> Self {
+        Sampler {
+            idx: Vec::with_capacity(n_vocab),
+            probs: Vec::with_capacity(n_vocab),
+            counts: vec![0; n_vocab],
+            touched: Vec::with_capacity(n_vocab),
+        }
+    }
+
+    /// Applies penalties to `logits` in place: `prompt` and `output` are the tokens so far.
+    pub fn apply_penalties(&mut self, params: &SamplingParams, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
+        if !params.has_penalties() {
+            return;
+        }
+        self.touched.clear();
+        for &t in output {
+            if let Some(c) = self.counts.get_mut(t as usize) {
+                if *c == 0 {
+                    self.touched.push(t);
+                }
+                *c += 1;
+            }
+        }
+        if params.repetition_penalty != 1.0 {
+            let rp = params.repetition_penalty;
+            let mut penalize = |t: u32| {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / rp } else { *l * rp };
+                }
+            };
+            for &t in &self.touched {
+                penalize(t);
+            }
+            for &t in prompt {
+                // Tokens seen in both prompt and output are penalized once.
+                if self.counts.get(t as usize).is_some_and(|&c| c == 0) {
+                    penalize(t);
+                    if let Some(c) = self.counts.get_mut(t as usize) {
+                        *c = u32::MAX; // mark "prompt only", reset below
+                        self.touched.push(t);
+                    }
+                }
+            }
+        }
+        for &t in &self.touched {
+            let c = self.counts[t as usize];
+            if c != u32::MAX {
+                logits[t as usize] -= params.presence_penalty + params.frequency_penalty * c as f32;
+            }
+        }
+        for &t in &self.touched {
+            self.counts[t as usize] = 0;
+        }
+    }
+
+    /// Draws the next token from `logits` (already penalized).
+    pub fn sample(&mut self, params: &SamplingParams, state: &mut SamplerState, logits: &[f32]) -> Sampled {
+        let (best, best_logit) = argmax(logits);
+        let lse = log_sum_exp(logits, best_logit);
+        if params.temperature == 0.0 {
+            return Sampled { token: best, logprob: best_logit - lse };
+        }
+        // Candidates sorted by logit (descending), then truncated.
+        self.idx.clear();
+        self.idx.extend(0..logits.len() as u32);
+        let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
+        if k < logits.len() {
+            self.idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            self.idx.truncate(k);
+        }
+        self.idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        let inv_t = 1.0 / params.temperature;
+        let max = logits[self.idx[0] as usize] * inv_t;
+        self.probs.clear();
+        let mut sum = 0.0f64;
+        for &i in &self.idx {
+            let p = ((logits[i as usize] * inv_t - max) as f64).exp();
+            sum += p;
+            self.probs.push(p as f32);
+        }
+        // min-p relative to the top candidate (probability 1 after normalization by max).
+        let mut keep = self.probs.len();
+        if params.min_p > 0.0 {
+            keep = self.probs.iter().take_while(|&&p| p >= params.min_p).count().max(1);
+        }
+        if params.top_p < 1.0 {
+            let mut acc = 0.0f64;
+            let mut n = 0;
+            for &p in &self.probs[..keep] {
+                acc += f64::from(p) / sum;
+                n += 1;
+                if acc >= f64::from(params.top_p) {
+                    break;
+                }
+            }
+            keep = n.max(1);
+        }
+        let total: f64 = self.probs[..keep].iter().map(|&p| f64::from(p)).sum();
+        let mut r = state.rng.random::<f64>() * total;
+        let mut chosen = self.idx[keep - 1];
+        for (&i, &p) in self.idx[..keep].iter().zip(&self.probs[..keep]) {
+            r -= f64::from(p);
+            if r <= 0.0 {
+                chosen = i;
+                break;
+            }
+        }
+        Sampled { token: chosen, logprob: logits[chosen as usize] - lse }
+    }
+
+    /// The `n` most likely tokens with their log-probabilities (for `top_logprobs`),
+    /// written to `out` (cleared first).
+    pub fn top_logprobs(&mut self, logits: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
+        out.clear();
+        if n == 0 || logits.is_empty() {
+            return;
+        }
+        let (_, best) = argmax(logits);
+        let lse = log_sum_exp(logits, best);
+        self.idx.clear();
+        self.idx.extend(0..logits.len() as u32);
+        let n = n.min(logits.len());
+        self.idx.select_nth_unstable_by(n - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        self.idx.truncate(n);
+        self.idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
+    }
+}
+
+/// The first maximum and its value.
+pub fn argmax(logits: &[f32]) -> (u32, f32) {
+    let mut best = 0usize;
+    let mut val = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > val {
+            val = l;
+            best = i;
+        }
+    }
+    (best as u32, val)
+}
+
+fn log_sum_exp(logits: &[f32], max: f32) -> f32 {
+    let s: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    max + s.ln() as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_picks_the_first_maximum() {
+        let mut s = Sampler::new(4);
+        let p = SamplingParams::greedy();
+        let mut st = SamplerState::new(&p, 0);
+        assert_eq!(s.sample(&p, &mut st, &[1.0, 3.0, 3.0, 2.0]).token, 1);
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_follows_the_distribution() {
+        let logits = [0.0f32, 1.0, 2.0, 0.5];
+        let p = SamplingParams { temperature: 1.0, seed: Some(42), ..Default::default() };
+        let mut s = Sampler::new(4);
+        let draw = |s: &mut Sampler| {
+            let mut st = SamplerState::new(&p, 0);
+            (0..2000).map(|_| s.sample(&p, &mut st, &logits).token).collect::<Vec<_>>()
+        };
+        let a = draw(&mut s);
+        assert_eq!(a, draw(&mut s));
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        for t in 0..4u32 {
+            let freq = a.iter().filter(|&&x| x == t).count() as f64 / a.len() as f64;
+            let want = f64::from(logits[t as usize]).exp() / z;
+            assert!((freq - want).abs() < 0.04, "token {t}: {freq} vs {want}");
+        }
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_p_truncates() {
+        let logits = [0.0f32, 5.0, 4.9, -1.0];
+        let mut s = Sampler::new(4);
+        let p = SamplingParams { top_k: 1, seed: Some(1), ..Default::default() };
+        let mut st = SamplerState::new(&p, 0);
+        for _ in 0..50 {
+            assert_eq!(s.sample(&p, &mut st, &logits).token, 1);
+        }
+        let p = SamplingParams { top_p: 0.5, seed: Some(1), ..Default::default() };
+        let mut st = SamplerState::new(&p, 0);
+        for _ in 0..50 {
+            assert_eq!(s.sample(&p, &mut st, &logits).token, 1);
+        }
+        let p = SamplingParams { min_p: 0.5, seed: Some(3), ..Default::default() };
+        let mut st = SamplerState::new(&p, 0);
+        for _ in 0..200 {
+            let t = s.sample(&p, &mut st, &logits).token;
+            assert!(t == 1 || t == 2);
+        }
+    }
+
+    #[test]
+    fn penalties_follow_openai_and_ctrl_definitions() {
+        let mut s = Sampler::new(5);
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut l = [1.0f32, 1.0, -1.0, 1.0, 1.0];
+        s.apply_penalties(&p, &mut l, &[3], &[1, 1, 2]);
+        assert_eq!(l[0], 1.0);
+        assert_eq!(l[1], 1.0 / 2.0 - 0.5 - 0.5);
+        assert_eq!(l[2], -1.0 * 2.0 - 0.5 - 0.25);
+        assert_eq!(l[3], 0.5);
+        assert_eq!(l[4], 1.0);
+        // Counts are reset between calls.
+        let mut l2 = [1.0f32; 5];
+        s.apply_penalties(&p, &mut l2, &[], &[]);
+        assert_eq!(l2, [1.0; 5]);
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let p = SamplingParams { top_p: 0.0, ..Default::default() };
+        assert!(p.validate().unwrap_err().contains("top_p"));
+        let p = SamplingParams { temperature: f32::NAN, ..Default::default() };
+        assert!(p.validate().unwrap_err().contains("temperature"));
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}
