@@ -27,15 +27,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mode = if ids.len() > 1 { AttnMode::Prefill } else { AttnMode::Decode };
     let chunk = SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: true, mode };
     model.forward(k, &pool, &[chunk], &mut kv, &mut s, &mut logits)?;
-    let mut pos = ids.len();
-    for _ in 0..steps {
+    for pos in ids.len()..ids.len() + steps {
         let mut idx: Vec<usize> = (0..logits.len()).collect();
         idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         println!("{} {:.6} {} {:.6}", idx[0], logits[idx[0]], idx[1], logits[idx[1]]);
         let t = idx[0] as u32;
-        let chunk = SeqChunk { tokens: std::slice::from_ref(&t), start_pos: pos, block_table: &table, logits: true, mode: AttnMode::Decode };
+        let chunk = SeqChunk {
+            tokens: std::slice::from_ref(&t),
+            start_pos: pos,
+            block_table: &table,
+            logits: true,
+            mode: AttnMode::Decode,
+        };
         model.forward(k, &pool, &[chunk], &mut kv, &mut s, &mut logits)?;
-        pos += 1;
     }
     Ok(())
 }

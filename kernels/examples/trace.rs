@@ -26,12 +26,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mode = if ids.len() > 1 { AttnMode::Prefill } else { AttnMode::Decode };
     let chunk = SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: true, mode };
     let mut err = None;
-    model.forward_traced(k, &pool, &[chunk], &mut kv, &mut s, &mut logits, &mut |name, layer, data| {
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        if let Err(e) = std::fs::write(format!("{dir}/{name}-{layer}.bin"), bytes) {
-            err = Some(e);
-        }
-    })?;
+    model.forward_traced(
+        k,
+        &pool,
+        &[chunk],
+        &mut kv,
+        &mut s,
+        &mut logits,
+        &mut |name, layer, data| {
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            if let Err(e) = std::fs::write(format!("{dir}/{name}-{layer}.bin"), bytes) {
+                err = Some(e);
+            }
+        },
+    )?;
     if let Some(e) = err {
         return Err(e.into());
     }

@@ -28,7 +28,12 @@ pub struct QMatrix<'a> {
 impl<'a> QMatrix<'a> {
     /// Checks that `data` holds exactly `rows` rows of `cols` elements of `ty`, aligned for
     /// its blocks, and that kvx has kernels for `ty`.
-    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, KernelError> {
+    pub fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
         let act_ty = quant::vec_dot_type(ty).ok_or(KernelError::UnsupportedType(ty))?;
         if !quant::is_supported_weight(ty) {
             return Err(KernelError::UnsupportedType(ty));
@@ -96,12 +101,12 @@ pub fn quantize_activations<'o>(
     cols: usize,
     out: &'o mut [u8],
 ) -> Result<&'o [u8], KernelError> {
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::Shape("activation length is not a multiple of cols"));
     }
     let n_rows = x.len() / cols;
-    let row = act_ty.row_size(cols as u64).ok_or(KernelError::Shape("cols not whole blocks"))?
-        as usize;
+    let row =
+        act_ty.row_size(cols as u64).ok_or(KernelError::Shape("cols not whole blocks"))? as usize;
     let need = row * n_rows;
     if out.len() < need || out.as_ptr().align_offset(4) != 0 {
         return Err(KernelError::Shape("activation buffer too small or misaligned"));
@@ -122,13 +127,43 @@ pub fn quantize_activations<'o>(
     Ok(out)
 }
 
-/// A raw output pointer shared by threads that write disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: used only by `matmul`, whose threads write disjoint index sets.
-unsafe impl Sync for SharedOut {}
+/// An output buffer that the threads of one pool run write at disjoint indices.
+///
+/// Contract: during one [`ThreadPool::run`], every index (or range) is written by at most
+/// one thread and nothing reads the buffer; the buffer outlives the run.
+pub(crate) struct DisjointOut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the type's contract makes concurrent writes target disjoint memory.
+unsafe impl Sync for DisjointOut {}
 // SAFETY: as above.
-unsafe impl Send for SharedOut {}
+unsafe impl Send for DisjointOut {}
+
+impl DisjointOut {
+    pub(crate) fn new(out: &mut [f32]) -> Self {
+        DisjointOut { ptr: out.as_mut_ptr(), len: out.len() }
+    }
+
+    /// Writes element `i`.
+    #[inline]
+    pub(crate) fn set(&self, i: usize, v: f32) {
+        assert!(i < self.len, "output index out of range");
+        // SAFETY: in bounds (checked above); only this thread writes index `i` (contract).
+        unsafe { self.ptr.wrapping_add(i).write(v) }
+    }
+
+    /// The `len` elements at `start`, for a range only this thread writes.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn range(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.len, "output range out of bounds");
+        // SAFETY: in bounds (checked above); the range belongs to this thread alone for the
+        // duration of the run (contract), so no other reference to it exists.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.wrapping_add(start), len) }
+    }
+}
 
 /// `out[t][r] = W[r] · x[t]` for `t < n_tok`, `r < w.rows()`: `xq` holds `n_tok` activation
 /// rows already quantized for `w.act_ty()`, `out` is `n_tok × w.rows()` row-major.
@@ -148,14 +183,11 @@ pub fn matmul(
     if n_tok == 0 {
         return Ok(());
     }
-    let shared = SharedOut(out.as_mut_ptr());
+    let out = DisjointOut::new(out);
     let job = |i: usize, n: usize| {
+        // Thread `i` writes only the rows of its own `split_range`.
         let rows = split_range(w.rows, i, n, 4);
-        let shared = shared;
-        // SAFETY: thread `i` writes only rows in its own `split_range`, disjoint from every
-        // other thread's, and `out` outlives `pool.run` (which waits for all threads).
-        let out = unsafe { std::slice::from_raw_parts_mut(shared.0, n_tok * w.rows) };
-        matmul_rows(k, w, xq, act_row, n_tok, rows, out);
+        matmul_rows(k, w, xq, n_tok, rows, &out);
     };
     pool.run(&job);
     Ok(())
@@ -166,20 +198,29 @@ fn matmul_rows(
     k: &Kernels,
     w: &QMatrix<'_>,
     xq: &[u8],
-    act_row: usize,
     n_tok: usize,
     rows: std::ops::Range<usize>,
-    out: &mut [f32],
+    out: &DisjointOut,
 ) {
     match w.ty {
-        GgmlType::Q4_0 => rows_typed::<BlockQ4_0, BlockQ8_0>(k.dot_q4_0_q8_0, w, xq, act_row, n_tok, rows, out),
-        GgmlType::Q4_1 => rows_typed::<BlockQ4_1, BlockQ8_1>(k.dot_q4_1_q8_1, w, xq, act_row, n_tok, rows, out),
-        GgmlType::Q8_0 => rows_typed::<BlockQ8_0, BlockQ8_0>(k.dot_q8_0_q8_0, w, xq, act_row, n_tok, rows, out),
-        GgmlType::Q4_K => rows_typed::<BlockQ4K, BlockQ8K>(k.dot_q4_k_q8_k, w, xq, act_row, n_tok, rows, out),
-        GgmlType::Q6_K => rows_typed::<BlockQ6K, BlockQ8K>(k.dot_q6_k_q8_k, w, xq, act_row, n_tok, rows, out),
-        GgmlType::F16 => rows_typed::<f16, f16>(k.dot_f16, w, xq, act_row, n_tok, rows, out),
-        GgmlType::BF16 => rows_typed::<u16, u16>(k.dot_bf16, w, xq, act_row, n_tok, rows, out),
-        GgmlType::F32 => rows_typed::<f32, f32>(k.dot_f32, w, xq, act_row, n_tok, rows, out),
+        GgmlType::Q4_0 => {
+            rows_typed::<BlockQ4_0, BlockQ8_0>(k.dot_q4_0_q8_0, w, xq, n_tok, rows, out)
+        }
+        GgmlType::Q4_1 => {
+            rows_typed::<BlockQ4_1, BlockQ8_1>(k.dot_q4_1_q8_1, w, xq, n_tok, rows, out)
+        }
+        GgmlType::Q8_0 => {
+            rows_typed::<BlockQ8_0, BlockQ8_0>(k.dot_q8_0_q8_0, w, xq, n_tok, rows, out)
+        }
+        GgmlType::Q4_K => {
+            rows_typed::<BlockQ4K, BlockQ8K>(k.dot_q4_k_q8_k, w, xq, n_tok, rows, out)
+        }
+        GgmlType::Q6_K => {
+            rows_typed::<BlockQ6K, BlockQ8K>(k.dot_q6_k_q8_k, w, xq, n_tok, rows, out)
+        }
+        GgmlType::F16 => rows_typed::<f16, f16>(k.dot_f16, w, xq, n_tok, rows, out),
+        GgmlType::BF16 => rows_typed::<u16, u16>(k.dot_bf16, w, xq, n_tok, rows, out),
+        GgmlType::F32 => rows_typed::<f32, f32>(k.dot_f32, w, xq, n_tok, rows, out),
         // `QMatrix::new` admits only the types above.
         _ => {}
     }
@@ -190,10 +231,9 @@ fn rows_typed<W: Pod, A: Pod>(
     dot: fn(&[W], &[A]) -> f32,
     w: &QMatrix<'_>,
     xq: &[u8],
-    act_row: usize,
     n_tok: usize,
     rows: std::ops::Range<usize>,
-    out: &mut [f32],
+    out: &DisjointOut,
 ) {
     // Alignment and sizes were validated by `QMatrix::new` and `matmul`; a failed cast
     // leaves the output untouched rather than panicking.
@@ -207,17 +247,22 @@ fn rows_typed<W: Pod, A: Pod>(
             let a = &acts[t * per_tok..(t + 1) * per_tok];
             for rr in r..r_end {
                 let Some(wr) = cast_blocks::<W>(w.row(rr)) else { return };
-                out[t * w.rows + rr] = dot(wr, a);
+                out.set(t * w.rows + rr, dot(wr, a));
             }
         }
         r = r_end;
     }
-    let _ = act_row;
 }
 
 /// Rotary embedding tables for one position: `cos`/`sin` per dimension pair, computed as
 /// ggml does (theta multiplied by `base^(-2/n_dims)` pair after pair, in f32).
-pub fn rope_cache(pos: u32, n_dims: usize, freq_base: f32, freq_factors: Option<&[f32]>, cache: &mut [f32]) {
+pub fn rope_cache(
+    pos: u32,
+    n_dims: usize,
+    freq_base: f32,
+    freq_factors: Option<&[f32]>,
+    cache: &mut [f32],
+) {
     let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
     let mut theta = pos as f32;
     for i in 0..n_dims / 2 {
@@ -280,7 +325,8 @@ impl<'a> PagedHead<'a> {
     pub fn row(&self, p: usize) -> Option<&'a [f16]> {
         let block = *self.block_table.get(p / self.block_size)? as usize;
         let slot = p % self.block_size;
-        let start = ((block * self.n_kv_heads + self.kv_head) * self.block_size + slot) * self.head_dim;
+        let start =
+            ((block * self.n_kv_heads + self.kv_head) * self.block_size + slot) * self.head_dim;
         self.data.get(start..start + self.head_dim)
     }
 }
@@ -346,7 +392,7 @@ pub fn attention(
     }
     let missing = KernelError::Shape("block table shorter than the sequence");
     let (dot, vshape) = match mode {
-        AttnMode::Prefill if values.head_dim % 4 == 0 => (k.dot_f16_gemm, k.attn.prefill),
+        AttnMode::Prefill if values.head_dim.is_multiple_of(4) => (k.dot_f16_gemm, k.attn.prefill),
         AttnMode::Prefill => (k.dot_f16_gemm, k.attn.decode),
         AttnMode::Decode => (k.dot_f16, k.attn.decode),
     };
@@ -379,7 +425,11 @@ pub fn attention(
             classes.fill(0.0);
             for (p, w) in probs.iter().enumerate() {
                 let c = p % step;
-                (k.axpy_f16)(w.to_f32(), values.row(p).ok_or(missing)?, &mut classes[c * vd..(c + 1) * vd]);
+                (k.axpy_f16)(
+                    w.to_f32(),
+                    values.row(p).ok_or(missing)?,
+                    &mut classes[c * vd..(c + 1) * vd],
+                );
             }
             let mut lanes = [0.0f32; 64];
             for (d, o) in out.iter_mut().enumerate() {

@@ -81,9 +81,8 @@ impl ThreadPool {
         for i in 1..n_threads {
             let worker_shared = shared.clone();
             let hook = hook.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("kvx-op-{i}"))
-                .spawn(move || {
+            let spawned =
+                std::thread::Builder::new().name(format!("kvx-op-{i}")).spawn(move || {
                     hook(i);
                     worker_loop(&worker_shared, i)
                 });
@@ -161,7 +160,7 @@ fn worker_loop(s: &Shared, index: usize) {
                 break;
             }
             spins += 1;
-            if spins % 64 != 0 || start.elapsed() < SPIN {
+            if !spins.is_multiple_of(64) || start.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }
@@ -175,10 +174,10 @@ fn worker_loop(s: &Shared, index: usize) {
         }
         // SAFETY: the epoch moved, so the dispatcher has published a job and waits for us.
         let job = unsafe { *s.job.get() };
-        if let Some(job) = job {
-            if catch_unwind(AssertUnwindSafe(|| job(index, s.n_threads))).is_err() {
-                s.panicked.store(true, Ordering::Relaxed);
-            }
+        if let Some(job) = job
+            && catch_unwind(AssertUnwindSafe(|| job(index, s.n_threads))).is_err()
+        {
+            s.panicked.store(true, Ordering::Relaxed);
         }
         s.remaining.fetch_sub(1, Ordering::Release);
     }
@@ -270,7 +269,7 @@ mod tests {
                     for i in 0..n {
                         let r = split_range(len, i, n, align);
                         assert_eq!(r.start, next);
-                        assert!(r.start % align == 0 || r.start == len);
+                        assert!(r.start.is_multiple_of(align) || r.start == len);
                         next = r.end;
                     }
                     assert_eq!(next, len);

@@ -67,11 +67,17 @@ const BLOCK: usize = 16;
 
 impl Generator {
     /// A generator for contexts of up to `max_ctx` positions on `n_threads` threads.
-    pub fn new(model: Arc<LlamaModel>, kernels: &'static Kernels, n_threads: usize, max_ctx: usize) -> Result<Self, EngineError> {
+    pub fn new(
+        model: Arc<LlamaModel>,
+        kernels: &'static Kernels,
+        n_threads: usize,
+        max_ctx: usize,
+    ) -> Result<Self, EngineError> {
         let max_ctx = max_ctx.clamp(1, model.cfg.context_length.max(1));
         let n_blocks = max_ctx.div_ceil(BLOCK);
         let kv = KvCache::new(&model.cfg, n_blocks, BLOCK)?;
-        let pool = ThreadPool::new(n_threads).map_err(|e| EngineError::Internal(format!("thread pool: {e}")))?;
+        let pool = ThreadPool::new(n_threads)
+            .map_err(|e| EngineError::Internal(format!("thread pool: {e}")))?;
         let scratch = Scratch::new(&model, PROMPT_BATCH, n_blocks * BLOCK, pool.n_threads());
         let n_vocab = model.cfg.n_vocab;
         Ok(Generator {
@@ -126,7 +132,14 @@ impl Generator {
                 logits: end == prompt.len(),
                 mode: prompt_mode(prompt.len(), pos),
             };
-            self.model.forward(self.kernels, &self.pool, &[chunk], &mut self.kv, &mut self.scratch, &mut self.logits)?;
+            self.model.forward(
+                self.kernels,
+                &self.pool,
+                &[chunk],
+                &mut self.kv,
+                &mut self.scratch,
+                &mut self.logits,
+            )?;
             pos = end;
         }
         let mut out = Vec::with_capacity(max_tokens);
@@ -155,7 +168,14 @@ impl Generator {
                 logits: true,
                 mode: AttnMode::Decode,
             };
-            self.model.forward(self.kernels, &self.pool, &[chunk], &mut self.kv, &mut self.scratch, &mut self.logits)?;
+            self.model.forward(
+                self.kernels,
+                &self.pool,
+                &[chunk],
+                &mut self.kv,
+                &mut self.scratch,
+                &mut self.logits,
+            )?;
             pos += 1;
         }
         let first = first.unwrap_or_else(Instant::now);

@@ -84,7 +84,9 @@ impl SamplingParams {
 
     /// Whether any penalty is active.
     pub fn has_penalties(&self) -> bool {
-        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
     }
 }
 
@@ -133,7 +135,13 @@ impl Sampler {
     }
 
     /// Applies penalties to `logits` in place: `prompt` and `output` are the tokens so far.
-    pub fn apply_penalties(&mut self, params: &SamplingParams, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
+    pub fn apply_penalties(
+        &mut self,
+        params: &SamplingParams,
+        logits: &mut [f32],
+        prompt: &[u32],
+        output: &[u32],
+    ) {
         if !params.has_penalties() {
             return;
         }
@@ -179,7 +187,12 @@ impl Sampler {
     }
 
     /// Draws the next token from `logits` (already penalized).
-    pub fn sample(&mut self, params: &SamplingParams, state: &mut SamplerState, logits: &[f32]) -> Sampled {
+    pub fn sample(
+        &mut self,
+        params: &SamplingParams,
+        state: &mut SamplerState,
+        logits: &[f32],
+    ) -> Sampled {
         let (best, best_logit) = argmax(logits);
         let lse = log_sum_exp(logits, best_logit);
         if params.temperature == 0.0 {
@@ -190,10 +203,14 @@ impl Sampler {
         self.idx.extend(0..logits.len() as u32);
         let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
         if k < logits.len() {
-            self.idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            self.idx.select_nth_unstable_by(k - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
             self.idx.truncate(k);
         }
-        self.idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        self.idx.sort_unstable_by(|&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+        });
         let inv_t = 1.0 / params.temperature;
         let max = logits[self.idx[0] as usize] * inv_t;
         self.probs.clear();
@@ -245,9 +262,13 @@ impl Sampler {
         self.idx.clear();
         self.idx.extend(0..logits.len() as u32);
         let n = n.min(logits.len());
-        self.idx.select_nth_unstable_by(n - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        self.idx.select_nth_unstable_by(n - 1, |&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize])
+        });
         self.idx.truncate(n);
-        self.idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        self.idx.sort_unstable_by(|&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+        });
         out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
     }
 }
@@ -336,7 +357,7 @@ mod tests {
         s.apply_penalties(&p, &mut l, &[3], &[1, 1, 2]);
         assert_eq!(l[0], 1.0);
         assert_eq!(l[1], 1.0 / 2.0 - 0.5 - 0.5);
-        assert_eq!(l[2], -1.0 * 2.0 - 0.5 - 0.25);
+        assert_eq!(l[2], -2.0 - 0.5 - 0.25);
         assert_eq!(l[3], 0.5);
         assert_eq!(l[4], 1.0);
         // Counts are reset between calls.

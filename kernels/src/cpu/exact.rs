@@ -95,9 +95,10 @@ impl SumShape {
                 let mut n = accs;
                 while n > 1 {
                     let half = n / 2;
-                    for a in 0..half {
-                        for l in 0..lanes {
-                            regs[a][l] += regs[a + half][l];
+                    let (lo, hi) = regs.split_at_mut(half);
+                    for (a, b) in lo.iter_mut().zip(hi.iter()) {
+                        for (x, y) in a[..lanes].iter_mut().zip(&b[..lanes]) {
+                            *x += y;
                         }
                     }
                     n = half;
@@ -214,7 +215,8 @@ mod tests {
     fn lane_shape_dot_is_close_to_exact() {
         let x: Vec<f16> = (0..100).map(|i| f16::from_f32((i as f32 * 0.37).sin())).collect();
         let y: Vec<f16> = (0..100).map(|i| f16::from_f32((i as f32 * 0.11).cos())).collect();
-        let exact: f64 = x.iter().zip(&y).map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32())).sum();
+        let exact: f64 =
+            x.iter().zip(&y).map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32())).sum();
         for level in SimdLevel::ALL {
             let s = shapes(level);
             for shape in [s.decode, s.prefill] {

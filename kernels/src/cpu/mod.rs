@@ -162,9 +162,7 @@ static ACTIVE: OnceLock<Kernels> = OnceLock::new();
 /// The process-wide kernel table: the best level this CPU supports, unless
 /// [`select`] chose another before first use.
 pub fn kernels() -> &'static Kernels {
-    ACTIVE.get_or_init(|| {
-        Kernels::for_level(SimdLevel::detect()).unwrap_or(reference::KERNELS)
-    })
+    ACTIVE.get_or_init(|| Kernels::for_level(SimdLevel::detect()).unwrap_or(reference::KERNELS))
 }
 
 /// Errors from [`select`].

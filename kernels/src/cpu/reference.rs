@@ -92,12 +92,12 @@ pub fn dot_q4_k_q8_k(x: &[BlockQ4K], y: &[BlockQ8K]) -> f32 {
                 let sub = 2 * chunk + half;
                 let (sc, m) = quant_k::scale_min_k4(sub, &x.scales);
                 let q8 = &y.qs[32 * sub..32 * sub + 32];
-                let s = isum(q4.iter().zip(q8).map(|(&a, &b)| {
-                    i32::from((a >> shift) & 0x0f) * i32::from(b)
-                }));
+                let s = isum(
+                    q4.iter().zip(q8).map(|(&a, &b)| i32::from((a >> shift) & 0x0f) * i32::from(b)),
+                );
                 sumi += i32::from(sc) * s;
-                mins += i32::from(m)
-                    * (i32::from(y.bsums[2 * sub]) + i32::from(y.bsums[2 * sub + 1]));
+                mins +=
+                    i32::from(m) * (i32::from(y.bsums[2 * sub]) + i32::from(y.bsums[2 * sub + 1]));
             }
         }
         sum += x.d.to_f32() * y.d * sumi as f32 - x.dmin.to_f32() * y.d * mins as f32;

@@ -65,7 +65,7 @@ impl LlamaConfig {
             Some(_) => u("attention.head_count_kv")?,
             None => n_head,
         };
-        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+        if n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::Config(format!(
                 "head counts {n_head}/{n_head_kv} are not a valid GQA grouping"
             )));
@@ -74,10 +74,10 @@ impl LlamaConfig {
             Some(_) => u("attention.key_length")?,
             None => n_embd / n_head,
         };
-        if let Some(_v) = f.get(&key("attention.value_length")) {
-            if u("attention.value_length")? != head_dim {
-                return Err(ModelError::Unsupported("key and value head sizes differ".into()));
-            }
+        if f.get(&key("attention.value_length")).is_some()
+            && u("attention.value_length")? != head_dim
+        {
+            return Err(ModelError::Unsupported("key and value head sizes differ".into()));
         }
         let rope_dims = match f.get(&key("rope.dimension_count")) {
             Some(_) => u("rope.dimension_count")?,
@@ -87,12 +87,12 @@ impl LlamaConfig {
             Some(_) => f.get_f32(&key("rope.freq_base"))?,
             None => 10_000.0,
         };
-        if let Ok(kind) = f.get_str(&key("rope.scaling.type")) {
-            if kind != "none" && kind != "linear" || f.get(&key("rope.scaling.factor")).is_some_and(|_| {
-                f.get_f32(&key("rope.scaling.factor")).is_ok_and(|v| v != 1.0 && v != 0.0)
-            }) {
-                return Err(ModelError::Unsupported(format!("rope scaling {kind:?}")));
-            }
+        let scaling = f.get_str(&key("rope.scaling.type")).unwrap_or("none");
+        let factor = f.get_f32(&key("rope.scaling.factor")).unwrap_or(1.0);
+        if scaling != "none" || (factor != 1.0 && factor != 0.0) {
+            return Err(ModelError::Unsupported(format!(
+                "rope scaling {scaling:?} (factor {factor})"
+            )));
         }
         let cfg = LlamaConfig {
             n_vocab: 0,
@@ -109,7 +109,7 @@ impl LlamaConfig {
             context_length: u("context_length")?,
             arch,
         };
-        if cfg.rope_dims > cfg.head_dim || cfg.rope_dims % 2 != 0 || cfg.head_dim == 0 {
+        if cfg.rope_dims > cfg.head_dim || !cfg.rope_dims.is_multiple_of(2) || cfg.head_dim == 0 {
             return Err(ModelError::Config(format!(
                 "rope dims {} do not fit head size {}",
                 cfg.rope_dims, cfg.head_dim

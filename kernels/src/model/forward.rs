@@ -9,7 +9,10 @@ use std::sync::Mutex;
 
 use super::{KvCache, LlamaModel, ModelError, RopeKind};
 use crate::cpu::Kernels;
-use crate::ops::{self, AttnMode, AttnScratch, activation_bytes, attention, matmul, quantize_activations};
+use crate::ops::{
+    self, AttnMode, AttnScratch, DisjointOut, activation_bytes, attention, matmul,
+    quantize_activations,
+};
 use crate::par::{ThreadPool, split_range};
 
 /// The tokens one sequence contributes to a forward step.
@@ -107,15 +110,6 @@ impl Scratch {
     }
 }
 
-/// A pointer to an f32 buffer that pool threads write at disjoint indices.
-#[derive(Clone, Copy)]
-struct Disjoint(*mut f32, usize);
-// SAFETY: only used by the attention step below, where each (token, head) pair — hence each
-// output slice — belongs to exactly one thread.
-unsafe impl Sync for Disjoint {}
-// SAFETY: as above.
-unsafe impl Send for Disjoint {}
-
 impl LlamaModel {
     /// Runs one step. Writes the logits of every chunk with `logits: true` (in chunk order,
     /// `n_vocab` each) to the front of `logits` and returns how many rows were written.
@@ -169,7 +163,10 @@ impl LlamaModel {
                 return Err(ModelError::Batch(format!("block id {b} out of range")));
             }
             if let Some(&t) = ch.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-                return Err(ModelError::Batch(format!("token id {t} is outside the vocabulary of {}", c.n_vocab)));
+                return Err(ModelError::Batch(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    c.n_vocab
+                )));
             }
             if s.tok.len() + ch.tokens.len() > s.max_tokens {
                 return Err(ModelError::Batch(format!("step exceeds {} tokens", s.max_tokens)));
@@ -202,7 +199,13 @@ impl LlamaModel {
         // Rope tables per token.
         let rd = c.rope_dims;
         for (t, &(_, pos)) in s.tok.iter().enumerate() {
-            ops::rope_cache(pos, rd, c.rope_base, self.rope_freqs.as_deref(), &mut s.rope[t * rd..(t + 1) * rd]);
+            ops::rope_cache(
+                pos,
+                rd,
+                c.rope_base,
+                self.rope_freqs.as_deref(),
+                &mut s.rope[t * rd..(t + 1) * rd],
+            );
         }
 
         let act = bytemuck::cast_slice_mut::<u32, u8>(&mut s.act);
@@ -212,7 +215,12 @@ impl LlamaModel {
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             for t in 0..n {
-                (k.rmsnorm)(&s.x[t * d..(t + 1) * d], &l.attn_norm, c.norm_eps, &mut s.xn[t * d..(t + 1) * d]);
+                (k.rmsnorm)(
+                    &s.x[t * d..(t + 1) * d],
+                    &l.attn_norm,
+                    c.norm_eps,
+                    &mut s.xn[t * d..(t + 1) * d],
+                );
             }
             trace("attn_norm", li, &s.xn[..n * d]);
             let wq = self.view(&l.wq)?;
@@ -254,16 +262,23 @@ impl LlamaModel {
                 let pos = pos as usize;
                 let block = ch.block_table[pos / kv.block_size()] as usize;
                 let slot = pos % kv.block_size();
-                kv.write(li, block, slot, &s.k[t * kvd..(t + 1) * kvd], &s.v[t * kvd..(t + 1) * kvd], k.f32_to_f16);
+                kv.write(
+                    li,
+                    block,
+                    slot,
+                    &s.k[t * kvd..(t + 1) * kvd],
+                    &s.v[t * kvd..(t + 1) * kvd],
+                    k.f32_to_f16,
+                );
             }
 
             // Attention, parallel over (token, head) pairs.
-            let out = Disjoint(s.attn.as_mut_ptr(), n * qd);
+            // Each (token, head) pair — hence its output range — belongs to one thread.
+            let out = DisjointOut::new(&mut s.attn[..n * qd]);
             let kvc = &*kv;
             let (tok, q, per_thread) = (&s.tok, &s.q, &s.per_thread);
             let failed = std::sync::atomic::AtomicBool::new(false);
             let job = |i: usize, nt: usize| {
-                let out = out;
                 let Ok(mut sc) = per_thread[i].lock() else {
                     failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     return;
@@ -273,13 +288,12 @@ impl LlamaModel {
                     let (t, h) = (pair / c.n_head, pair % c.n_head);
                     let (ci, pos) = tok[t];
                     let (keys, values) = kvc.heads(li, h / group, chunks[ci as usize].block_table);
-                    // SAFETY: pair (t, h) owns the output slice [t*qd + h*hd, +hd); pairs are
-                    // split disjointly across threads and `s.attn` outlives `pool.run`.
-                    let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(t * qd + h * hd), hd) };
-                    debug_assert!(t * qd + (h + 1) * hd <= out.1);
+                    let o = out.range(t * qd + h * hd, hd);
                     let qh = &q[t * qd + h * hd..t * qd + (h + 1) * hd];
                     let mode = chunks[ci as usize].mode;
-                    if attention(k, mode, qh, &keys, &values, pos as usize + 1, scale, sc, o).is_err() {
+                    if attention(k, mode, qh, &keys, &values, pos as usize + 1, scale, sc, o)
+                        .is_err()
+                    {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
@@ -300,7 +314,12 @@ impl LlamaModel {
             trace("ffn_inp", li, &s.x[..n * d]);
             // Feed-forward block.
             for t in 0..n {
-                (k.rmsnorm)(&s.x[t * d..(t + 1) * d], &l.ffn_norm, c.norm_eps, &mut s.xn[t * d..(t + 1) * d]);
+                (k.rmsnorm)(
+                    &s.x[t * d..(t + 1) * d],
+                    &l.ffn_norm,
+                    c.norm_eps,
+                    &mut s.xn[t * d..(t + 1) * d],
+                );
             }
             let wg = self.view(&l.w_gate)?;
             let wu = self.view(&l.w_up)?;
@@ -334,7 +353,12 @@ impl LlamaModel {
         }
         for (j, &row) in s.out_rows.iter().enumerate() {
             let row = row as usize;
-            (k.rmsnorm)(&s.x[row * d..(row + 1) * d], &self.output_norm, c.norm_eps, &mut s.out_x[j * d..(j + 1) * d]);
+            (k.rmsnorm)(
+                &s.x[row * d..(row + 1) * d],
+                &self.output_norm,
+                c.norm_eps,
+                &mut s.out_x[j * d..(j + 1) * d],
+            );
         }
         let wout = self.view(&self.output)?;
         let xq = quantize_activations(k, wout.act_ty(), &s.out_x[..m * d], d, act)?;

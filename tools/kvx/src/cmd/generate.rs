@@ -86,7 +86,8 @@ pub(crate) struct TokenizeArgs {
 }
 
 fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_gguf_path(path).with_context(|| format!("loading the tokenizer of {}", path.display()))
+    Tokenizer::from_gguf_path(path)
+        .with_context(|| format!("loading the tokenizer of {}", path.display()))
 }
 
 /// The prompt text: raw, or one user turn through the chat template.

@@ -48,7 +48,7 @@ pub(crate) enum Command {
     /// Manage models: pull, list, path, verify.
     Model(model::ModelArgs),
     /// Benchmark an OpenAI-compatible endpoint; `compare` two reports; `xfer` KV transfers.
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
 }
 
 /// Settings every command shares, resolved once from the global flags.
@@ -69,8 +69,9 @@ impl Runtime {
         let k = match self.simd.as_deref() {
             None => cpu::kernels(),
             Some(name) => {
-                let level = SimdLevel::from_name(name)
-                    .ok_or_else(|| anyhow::anyhow!("unknown --simd {name:?} (scalar, avx2, avx512)"))?;
+                let level = SimdLevel::from_name(name).ok_or_else(|| {
+                    anyhow::anyhow!("unknown --simd {name:?} (scalar, avx2, avx512)")
+                })?;
                 cpu::select(level)?
             }
         };
@@ -90,7 +91,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => generate::generate(a, &rt),
         Command::Tokenize(a) => generate::tokenize(a, &rt),
         Command::Model(a) => model::run(a, &rt.store),
-        Command::Bench(a) => bench::run(a),
+        Command::Bench(a) => bench::run(*a),
     }
 }
 

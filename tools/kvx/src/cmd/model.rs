@@ -48,7 +48,9 @@ pub(crate) fn run(args: ModelArgs, store: &Store) -> Result<()> {
             let have = store.list();
             for k in CATALOGUE {
                 let status = match have.iter().find(|(h, _, _)| h.name == k.name) {
-                    Some((_, p, len)) => format!("pulled  {} ({:.1} MB)", p.display(), *len as f64 / 1e6),
+                    Some((_, p, len)) => {
+                        format!("pulled  {} ({:.1} MB)", p.display(), *len as f64 / 1e6)
+                    }
                     None => "not pulled".to_string(),
                 };
                 let default = if k.name == DEFAULT.name { " (default)" } else { "" };
@@ -64,7 +66,10 @@ pub(crate) fn run(args: ModelArgs, store: &Store) -> Result<()> {
                 let ok = store.verify(&k)?;
                 println!("{} {} {}", if ok { "ok " } else { "BAD" }, k.name, p.display());
                 if !ok {
-                    bail!("{} does not match its pinned sha256; delete it and pull again", p.display());
+                    bail!(
+                        "{} does not match its pinned sha256; delete it and pull again",
+                        p.display()
+                    );
                 }
             }
         }
