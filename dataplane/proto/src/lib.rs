@@ -1,3 +1,24 @@
-//! kvx-proto: plain data shared by every kvx crate (ids, token-block hashing, KV events, load reports, wire frames).
+//! kvx-proto: plain data shared by every kvx crate — ids, token-block hashing, KV events, load
+//! reports, the request plane's messages and their versioned wire frames. No I/O, no async.
 
 #![forbid(unsafe_code)]
+
+pub mod events;
+pub mod hashing;
+pub mod load;
+pub mod request;
+pub mod wire;
+
+pub use events::{KvEvent, KvEventData, StorageTier, StoredBlock};
+pub use hashing::{BlockHasher, LocalBlockHash, SequenceHash, XXH3_SEED};
+pub use load::LoadReport;
+pub use request::{
+    ErrorClass, FinishReason, GenerateRequest, Logprob, Output, OutputDelta, RequestId,
+    SamplingOptions, StopConditions, TopLogprob, Usage,
+};
+
+/// A worker (one engine shard) in the cluster.
+pub type WorkerId = u64;
+
+/// A token id.
+pub type TokenId = u32;

@@ -1,0 +1,199 @@
+//! The request plane: what the router sends a worker, and what comes back.
+//!
+//! Router → worker: [`GenerateRequest`] (tokens, sampling, stop conditions). Worker → router:
+//! a stream of [`Output`]s — token deltas, then one `Finished` (or `Error`). Cancellation
+//! always flows down (by request id).
+
+use serde::{Deserialize, Serialize};
+
+use crate::TokenId;
+
+/// A request's id, unique within the cluster for its lifetime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// Sampling parameters as requested (validated by the engine).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingOptions {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: u32,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// Reproducible sampling.
+    pub seed: Option<u64>,
+    /// OpenAI presence penalty.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: f32,
+    /// CTRL-style repetition penalty (1 = off).
+    pub repetition_penalty: f32,
+}
+
+impl Default for SamplingOptions {
+    fn default() -> Self {
+        SamplingOptions {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+/// When to stop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopConditions {
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Fewest tokens before end-of-generation or stop strings may end the request.
+    pub min_tokens: u32,
+    /// Extra token ids that end generation (beyond the model's end-of-generation set).
+    pub stop_token_ids: Vec<TokenId>,
+    /// Strings that end generation; the text is cut before the match.
+    pub stop: Vec<String>,
+    /// Keep going past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+impl Default for StopConditions {
+    fn default() -> Self {
+        StopConditions {
+            max_tokens: 16,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// A generation request, already tokenized.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// Id.
+    pub id: RequestId,
+    /// Prompt tokens.
+    pub prompt: Vec<TokenId>,
+    /// Sampling.
+    pub sampling: SamplingOptions,
+    /// Stop conditions.
+    pub stop: StopConditions,
+    /// Return this many alternatives per token with log-probabilities (`None` = no logprobs).
+    pub logprobs: Option<u32>,
+    /// Cache isolation salt (tenant); requests with different salts share no KV blocks.
+    pub salt: Option<String>,
+}
+
+/// A token's log-probability.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    /// Token.
+    pub token: TokenId,
+    /// Log-probability.
+    pub logprob: f32,
+}
+
+/// The log-probability of a generated token and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Logprob {
+    /// The generated token's log-probability.
+    pub logprob: f32,
+    /// Most likely tokens at that step.
+    pub top: Vec<TopLogprob>,
+}
+
+/// New output of a request since the previous delta.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct OutputDelta {
+    /// Generated tokens.
+    pub tokens: Vec<TokenId>,
+    /// Text they complete (stop strings held back until they cannot match).
+    pub text: String,
+    /// Per token, when requested.
+    pub logprobs: Vec<Logprob>,
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// End-of-generation token, stop token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled by the client.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Token accounting of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u32,
+}
+
+/// The closed set of error classes, assigned near the cause; ingress renders them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorClass {
+    /// The request is invalid as sent.
+    BadRequest,
+    /// A named thing (model, request) does not exist.
+    NotFound,
+    /// Queues are full; retry later.
+    Overloaded,
+    /// Not ready, or the serving worker went away.
+    Unavailable,
+    /// A bug or resource failure.
+    Internal,
+    /// A deadline passed.
+    Timeout,
+}
+
+/// One message of a request's output stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Output {
+    /// New tokens.
+    Delta(OutputDelta),
+    /// The end: reason and usage. Nothing follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request failed. Nothing follows.
+    Error {
+        /// Class.
+        class: ErrorClass,
+        /// Client-safe message.
+        message: String,
+    },
+}
