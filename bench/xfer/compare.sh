@@ -121,7 +121,7 @@ for r in $(seq "$RUNS"); do
     echo "== run $r"
     if want memcpy; then
         memcpy_ref memcpy-64K 65536
-        kvx kvx-shm-64K-cold --backend shm --block-size 64K --blocks 16384 --batch 1 --inflight 8
+        kvx kvx-shm-64K-cold --backend shm --block-size 64K --blocks 16384 --batch 1 --inflight 32
     fi
     if want iperf && command -v iperf3 >/dev/null; then
         iperf_ref
