@@ -1,0 +1,480 @@
+//! The engine: one step loop over the scheduler, a backend (the model, or a timing model),
+//! the sampler and per-request output processing.
+//!
+//! `step` = schedule → forward → commit → sample each sequence that produced logits →
+//! stop checks → outputs. In steady state (sequences decoding, no arrivals or finishes) a
+//! step allocates nothing: every buffer is sized at construction or at a request's admission.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvx_kernels::cpu::Kernels;
+use kvx_kernels::model::{KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::par::ThreadPool;
+use kvx_proto::hashing::seed_for;
+use kvx_proto::{
+    FinishReason, GenerateRequest, LoadReport, RequestId, TopLogprob, Usage, WorkerId,
+};
+use kvx_tokenizer::Tokenizer;
+
+use crate::EngineError;
+use crate::block_pool::BlockEvent;
+use crate::output::OutputState;
+use crate::sampler::{Sampler, SamplerState, SamplingParams};
+use crate::scheduler::{AddError, Scheduler, SchedulerConfig, SchedulerOutput, SeqId};
+
+/// What computes a step: fills one row of logits per chunk with `logits: true`, in order.
+pub trait Backend: Send {
+    /// Runs the step.
+    fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError>;
+    /// Vocabulary size (logits per row).
+    fn n_vocab(&self) -> usize;
+    /// KV blocks the backend holds.
+    fn n_blocks(&self) -> usize;
+}
+
+/// The real model on the CPU kernels.
+pub struct ModelBackend {
+    model: Arc<LlamaModel>,
+    kernels: &'static Kernels,
+    pool: ThreadPool,
+    kv: KvCache,
+    scratch: Scratch,
+}
+
+impl std::fmt::Debug for ModelBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelBackend")
+            .field("kv", &self.kv)
+            .field("threads", &self.pool.n_threads())
+            .finish()
+    }
+}
+
+impl ModelBackend {
+    /// A backend with `n_blocks` KV blocks of `block_size` tokens, steps of up to
+    /// `max_tokens` tokens, contexts up to `max_ctx`, on `pool`.
+    pub fn new(
+        model: Arc<LlamaModel>,
+        kernels: &'static Kernels,
+        pool: ThreadPool,
+        n_blocks: usize,
+        block_size: usize,
+        max_tokens: usize,
+        max_ctx: usize,
+    ) -> Result<Self, EngineError> {
+        let kv = KvCache::new(&model.cfg, n_blocks, block_size)?;
+        let scratch = Scratch::new(&model, max_tokens, max_ctx, pool.n_threads());
+        Ok(ModelBackend { model, kernels, pool, kv, scratch })
+    }
+}
+
+impl Backend for ModelBackend {
+    fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
+        self.model.forward(
+            self.kernels,
+            &self.pool,
+            chunks,
+            &mut self.kv,
+            &mut self.scratch,
+            logits,
+        )?;
+        Ok(())
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.model.cfg.n_vocab
+    }
+
+    fn n_blocks(&self) -> usize {
+        self.kv.n_blocks()
+    }
+}
+
+/// One request's news in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqEvent {
+    /// The request.
+    pub id: RequestId,
+    /// The sampled token, if the request produced one this step.
+    pub token: Option<u32>,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Alternatives in [`StepOutput::top`].
+    pub top: Range<usize>,
+    /// Released text in [`StepOutput::text`].
+    pub text: Range<usize>,
+    /// Set when the request ended.
+    pub finish: Option<FinishReason>,
+    /// Token counts (final when `finish` is set).
+    pub usage: Usage,
+}
+
+/// The outputs of one step (buffers reused across steps).
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    /// Per request with news.
+    pub events: Vec<SeqEvent>,
+    /// Text arena.
+    pub text: String,
+    /// Logprob alternatives arena.
+    pub top: Vec<TopLogprob>,
+    /// Tokens computed in the step (prefill and decode).
+    pub num_tokens: usize,
+}
+
+impl StepOutput {
+    fn clear(&mut self) {
+        self.events.clear();
+        self.text.clear();
+        self.top.clear();
+        self.num_tokens = 0;
+    }
+
+    /// The text of an event.
+    pub fn text_of(&self, e: &SeqEvent) -> &str {
+        &self.text[e.text.clone()]
+    }
+}
+
+/// Engine counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Prompt (and recomputed) tokens computed.
+    pub prefill_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Requests finished (any reason).
+    pub finished: u64,
+}
+
+struct SeqState {
+    id: RequestId,
+    params: SamplingParams,
+    sampler: SamplerState,
+    output: OutputState,
+    logprobs: Option<u32>,
+    arrival: Instant,
+    counted_admission: bool,
+}
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Scheduler limits.
+    pub sched: SchedulerConfig,
+    /// This engine's worker id (in KV events and load reports).
+    pub worker_id: WorkerId,
+}
+
+/// The engine.
+pub struct Engine {
+    cfg: EngineConfig,
+    sched: Scheduler,
+    backend: Box<dyn Backend>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    sampler: Sampler,
+    states: Vec<Option<SeqState>>,
+    by_id: HashMap<RequestId, SeqId>,
+    logits: Vec<f32>,
+    plan: SchedulerOutput,
+    out: StepOutput,
+    chunk_buf: Vec<SeqChunk<'static>>,
+    top_buf: Vec<(u32, f32)>,
+    cancelled: Vec<(RequestId, Usage)>,
+    stats: EngineStats,
+    last_step_ms: f32,
+    seed_counter: u64,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("cfg", &self.cfg).field("stats", &self.stats).finish()
+    }
+}
+
+impl Engine {
+    /// An engine over `backend`; `tokenizer` enables text, stop strings and end-of-generation
+    /// tokens (a tokenizer-free engine streams token ids only).
+    pub fn new(
+        cfg: EngineConfig,
+        backend: Box<dyn Backend>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Self {
+        let n_vocab = backend.n_vocab();
+        let slots = cfg.sched.max_num_seqs + cfg.sched.max_waiting;
+        let sched = Scheduler::new(cfg.sched.clone(), backend.n_blocks());
+        Engine {
+            logits: vec![0.0; cfg.sched.max_num_seqs * n_vocab],
+            sampler: Sampler::new(n_vocab),
+            states: (0..slots).map(|_| None).collect(),
+            by_id: HashMap::with_capacity(slots),
+            plan: SchedulerOutput { chunks: Vec::with_capacity(2 * slots), ..Default::default() },
+            out: StepOutput {
+                events: Vec::with_capacity(2 * slots),
+                text: String::with_capacity(64 * slots + 4096),
+                top: Vec::with_capacity(20 * cfg.sched.max_num_seqs),
+                num_tokens: 0,
+            },
+            chunk_buf: Vec::with_capacity(2 * slots),
+            top_buf: Vec::with_capacity(32),
+            cancelled: Vec::with_capacity(slots),
+            stats: EngineStats::default(),
+            last_step_ms: 0.0,
+            seed_counter: 0x9e37_79b9_7f4a_7c15,
+            sched,
+            backend,
+            tokenizer,
+            cfg,
+        }
+    }
+
+    /// Settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The tokenizer, if any.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// The scheduler (read-only).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Whether any request is queued or running (or a cancellation is still to report).
+    pub fn has_work(&self) -> bool {
+        self.sched.has_work() || !self.cancelled.is_empty()
+    }
+
+    /// The load report of this engine.
+    pub fn load(&self) -> LoadReport {
+        let pool = self.sched.pool();
+        LoadReport {
+            worker_id: self.cfg.worker_id,
+            active_seqs: self.sched.running().len() as u32,
+            waiting: self.sched.num_waiting() as u32,
+            active_blocks: pool.active() as u32,
+            free_blocks: pool.available() as u32,
+            total_blocks: pool.capacity() as u32,
+            queued_prefill_tokens: self.sched.queued_prefill_tokens() as u32,
+            step_ms: self.last_step_ms,
+        }
+    }
+
+    /// Hands recorded KV block events to `f` and forgets them.
+    pub fn drain_block_events(&mut self, f: impl FnMut(BlockEvent)) {
+        self.sched.pool_mut().drain_events(f);
+    }
+
+    /// Queues a request.
+    pub fn add(&mut self, req: &GenerateRequest) -> Result<(), EngineError> {
+        if self.by_id.contains_key(&req.id) {
+            return Err(EngineError::BadRequest(format!(
+                "request id {} is already in use",
+                req.id
+            )));
+        }
+        let s = &req.sampling;
+        let params = SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k as usize,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            repetition_penalty: s.repetition_penalty,
+            seed: s.seed,
+        };
+        params.validate().map_err(EngineError::BadRequest)?;
+        if req.stop.max_tokens == 0 {
+            return Err(EngineError::BadRequest("max_tokens must be at least 1".into()));
+        }
+        if !req.stop.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(EngineError::BadRequest(
+                "stop strings need a tokenizer; this engine has none".into(),
+            ));
+        }
+        if req.logprobs.is_some_and(|n| n > 20) {
+            return Err(EngineError::BadRequest("top_logprobs must be at most 20".into()));
+        }
+        let vocab = self.backend.n_vocab() as u32;
+        if let Some(&t) = req.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(EngineError::BadRequest(format!(
+                "prompt token {t} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let seed = seed_for(req.salt.as_deref(), None);
+        let sid = self.sched.add(req.id, &req.prompt, req.stop.max_tokens as usize, seed).map_err(
+            |e| match e {
+                AddError::QueueFull(_) => EngineError::Overloaded(e.to_string()),
+                _ => EngineError::BadRequest(e.to_string()),
+            },
+        )?;
+        self.seed_counter =
+            self.seed_counter.wrapping_mul(6364136223846793005).wrapping_add(req.id.0 | 1);
+        self.states[sid] = Some(SeqState {
+            id: req.id,
+            sampler: SamplerState::new(&params, self.seed_counter),
+            params,
+            output: OutputState::new(req.stop.clone()),
+            logprobs: req.logprobs,
+            arrival: Instant::now(),
+            counted_admission: false,
+        });
+        self.by_id.insert(req.id, sid);
+        Ok(())
+    }
+
+    /// Cancels a request: its blocks return to the pool now; the next step reports it
+    /// finished with [`FinishReason::Cancelled`]. False if the request is unknown.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        let Some(sid) = self.by_id.remove(&id) else { return false };
+        let seq = self.sched.remove(sid);
+        let st = self.states[sid].take();
+        let usage = Usage {
+            prompt_tokens: seq.as_ref().map_or(0, |s| s.prompt_len as u32),
+            completion_tokens: st.as_ref().map_or(0, |s| s.output.generated() as u32),
+            cached_tokens: seq.as_ref().map_or(0, |s| s.cached_prompt as u32),
+        };
+        self.cancelled.push((id, usage));
+        true
+    }
+
+    /// Runs one step and returns its outputs.
+    pub fn step(&mut self) -> Result<&StepOutput, EngineError> {
+        let t0 = Instant::now();
+        self.out.clear();
+        for (id, usage) in self.cancelled.drain(..) {
+            self.out.events.push(SeqEvent {
+                id,
+                token: None,
+                logprob: 0.0,
+                top: 0..0,
+                text: 0..0,
+                finish: Some(FinishReason::Cancelled),
+                usage,
+            });
+            self.stats.finished += 1;
+        }
+        self.sched.schedule(&mut self.plan);
+        self.stats.preemptions += self.plan.preempted.len() as u64;
+        if self.plan.chunks.is_empty() {
+            return Ok(&self.out);
+        }
+        self.stats.steps += 1;
+        self.stats.prefill_tokens += self.plan.num_prefill_tokens as u64;
+        self.out.num_tokens = self.plan.num_tokens;
+
+        // Forward pass over borrowed token slices and block tables.
+        let mut chunks = recycle(std::mem::take(&mut self.chunk_buf));
+        for c in &self.plan.chunks {
+            if let Some(seq) = self.sched.seq(c.seq) {
+                chunks.push(SeqChunk {
+                    tokens: &seq.tokens[c.start..c.start + c.len],
+                    start_pos: c.start,
+                    block_table: &seq.blocks,
+                    logits: c.logits,
+                    mode: c.mode,
+                });
+            }
+        }
+        let result = self.backend.forward(&chunks, &mut self.logits);
+        self.chunk_buf = recycle(chunks);
+        result?;
+        self.sched.commit(&self.plan);
+
+        // Sample every sequence that produced logits.
+        let n_vocab = self.backend.n_vocab();
+        let tok = self.tokenizer.as_deref();
+        let mut row_index = 0;
+        for ci in 0..self.plan.chunks.len() {
+            let c = self.plan.chunks[ci];
+            if !c.logits {
+                continue;
+            }
+            let row = &mut self.logits[row_index * n_vocab..(row_index + 1) * n_vocab];
+            row_index += 1;
+            let (Some(st), Some(seq)) = (self.states[c.seq].as_mut(), self.sched.seq(c.seq)) else {
+                continue;
+            };
+            if !st.counted_admission {
+                st.counted_admission = true;
+                self.stats.prompt_tokens += seq.prompt_len as u64;
+                self.stats.cached_tokens += seq.cached_prompt as u64;
+            }
+            self.sampler.apply_penalties(
+                &st.params,
+                row,
+                &seq.tokens[..seq.prompt_len],
+                seq.output(),
+            );
+            let s = self.sampler.sample(&st.params, &mut st.sampler, row);
+            let top_start = self.out.top.len();
+            if let Some(n) = st.logprobs.filter(|&n| n > 0) {
+                self.sampler.top_logprobs(row, n as usize, &mut self.top_buf);
+                self.out.top.extend(
+                    self.top_buf.iter().map(|&(token, logprob)| TopLogprob { token, logprob }),
+                );
+            }
+            self.sched.append_token(c.seq, s.token);
+            self.stats.generated_tokens += 1;
+            let text_start = self.out.text.len();
+            let finish = st.output.on_token(s.token, tok, &mut self.out.text);
+            let Some(seq) = self.sched.seq(c.seq) else { continue };
+            let usage = Usage {
+                prompt_tokens: seq.prompt_len as u32,
+                completion_tokens: st.output.generated() as u32,
+                cached_tokens: seq.cached_prompt as u32,
+            };
+            let id = st.id;
+            self.out.events.push(SeqEvent {
+                id,
+                token: Some(s.token),
+                logprob: s.logprob,
+                top: top_start..self.out.top.len(),
+                text: text_start..self.out.text.len(),
+                finish,
+                usage,
+            });
+            if finish.is_some() {
+                self.by_id.remove(&id);
+                self.sched.remove(c.seq);
+                self.states[c.seq] = None;
+                self.stats.finished += 1;
+            }
+        }
+        self.last_step_ms = t0.elapsed().as_secs_f32() * 1e3;
+        Ok(&self.out)
+    }
+
+    /// Time since a request arrived (for queue-time metrics).
+    pub fn age(&self, id: RequestId) -> Option<std::time::Duration> {
+        let sid = *self.by_id.get(&id)?;
+        self.states[sid].as_ref().map(|s| s.arrival.elapsed())
+    }
+}
+
+/// Reuses a chunk vector's allocation under a new lifetime (the vector is emptied first;
+/// the in-place `collect` keeps the buffer).
+fn recycle<'a, 'b>(mut v: Vec<SeqChunk<'a>>) -> Vec<SeqChunk<'b>> {
+    v.clear();
+    v.into_iter().map(|_| -> SeqChunk<'b> { unreachable!("the vector is empty") }).collect()
+}

@@ -1,0 +1,688 @@
+//! The sans-IO scheduler: continuous batching over the block pool.
+//!
+//! Each step [`Scheduler::schedule`] picks the work of one forward pass under a token budget:
+//! first every running sequence (a decode token, or the next chunk of its prompt), then
+//! waiting requests in arrival order (FCFS) with their uncached prompt tokens, chunked when
+//! the budget is smaller than the prompt. New requests reuse every full block whose sequence
+//! hash is already cached. When blocks run out, the most recently admitted running sequence
+//! is preempted: its blocks are released (registered ones stay cached, so the recompute is
+//! mostly prefix hits) and it goes back to the front of the queue.
+//!
+//! The scheduler knows nothing about models, threads or sockets: the engine calls
+//! `schedule`, runs the forward pass, then `commit` and `append_token`. After construction it
+//! allocates only when a request arrives (its token and block vectors, sized for its whole
+//! life).
+
+use std::collections::VecDeque;
+
+use kvx_kernels::model::AttnMode;
+use kvx_proto::hashing::BlockHasher;
+use kvx_proto::{LocalBlockHash, RequestId, SequenceHash};
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::generate::prompt_mode;
+
+/// Index of a sequence in the scheduler.
+pub type SeqId = usize;
+
+/// Scheduler limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Sequences in one step at most.
+    pub max_num_seqs: usize,
+    /// Tokens in one step at most (decode tokens and prefill chunks together).
+    pub max_batched_tokens: usize,
+    /// Requests waiting for admission at most; more are refused.
+    pub max_waiting: usize,
+    /// Split prompts longer than the remaining budget across steps.
+    pub chunked_prefill: bool,
+    /// Longest sequence (prompt + output) accepted.
+    pub max_model_len: usize,
+    /// Reuse cached blocks across requests.
+    pub prefix_caching: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            block_size: 16,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            max_waiting: 1024,
+            chunked_prefill: true,
+            max_model_len: 8192,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// Where a sequence is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    /// Queued (new, or preempted).
+    Waiting,
+    /// Admitted: holds blocks and is scheduled every step.
+    Running,
+}
+
+/// The scheduler's state of one request.
+#[derive(Debug)]
+pub struct Sequence {
+    /// Request id.
+    pub id: RequestId,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    /// Prompt length.
+    pub prompt_len: usize,
+    /// Prompt length plus the output limit.
+    pub max_len: usize,
+    /// Block table.
+    pub blocks: Vec<BlockId>,
+    /// Tokens whose KV is in the cache.
+    pub computed: usize,
+    /// Prompt tokens served by the prefix cache at the first admission.
+    pub cached_prompt: usize,
+    /// Times preempted.
+    pub preemptions: u32,
+    /// Queue state.
+    pub status: SeqStatus,
+    hasher: BlockHasher,
+    hashes: Vec<(LocalBlockHash, SequenceHash)>,
+    registered: usize,
+    admitted_once: bool,
+}
+
+impl Sequence {
+    /// Generated tokens so far.
+    pub fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+}
+
+/// Work of one sequence in a step: tokens `start..start + len` in one attention mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// The sequence.
+    pub seq: SeqId,
+    /// First token position.
+    pub start: usize,
+    /// Tokens.
+    pub len: usize,
+    /// llama.cpp's attention path for these tokens.
+    pub mode: AttnMode,
+    /// Whether the chunk ends at the sequence's last token (its logits are sampled).
+    pub logits: bool,
+}
+
+/// One step's plan (reused across steps).
+#[derive(Debug, Default)]
+pub struct SchedulerOutput {
+    /// Chunks in forward order.
+    pub chunks: Vec<Chunk>,
+    /// Sequences preempted in this step.
+    pub preempted: Vec<SeqId>,
+    /// Tokens scheduled.
+    pub num_tokens: usize,
+    /// Of which prompt (or recomputed) tokens.
+    pub num_prefill_tokens: usize,
+}
+
+impl SchedulerOutput {
+    fn clear(&mut self) {
+        self.chunks.clear();
+        self.preempted.clear();
+        self.num_tokens = 0;
+        self.num_prefill_tokens = 0;
+    }
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddError {
+    /// The waiting queue is full.
+    #[error("the waiting queue is full ({0} requests)")]
+    QueueFull(usize),
+    /// Prompt plus output exceed what the engine holds.
+    #[error(
+        "prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens"
+    )]
+    TooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested output tokens.
+        max_tokens: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// An empty prompt.
+    #[error("the prompt has no tokens")]
+    Empty,
+}
+
+/// The scheduler.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    seqs: Vec<Option<Sequence>>,
+    free_slots: Vec<SeqId>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    new_waiting: usize,
+}
+
+impl Scheduler {
+    /// A scheduler over `n_blocks` KV blocks.
+    pub fn new(cfg: SchedulerConfig, n_blocks: usize) -> Self {
+        let slots = cfg.max_num_seqs + cfg.max_waiting;
+        Scheduler {
+            pool: BlockPool::new(n_blocks),
+            seqs: (0..slots).map(|_| None).collect(),
+            free_slots: (0..slots).rev().collect(),
+            waiting: VecDeque::with_capacity(slots),
+            running: Vec::with_capacity(cfg.max_num_seqs),
+            new_waiting: 0,
+            cfg,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The block pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The block pool (to drain events).
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// A sequence.
+    pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(id).and_then(Option::as_ref)
+    }
+
+    /// Running sequences.
+    pub fn running(&self) -> &[SeqId] {
+        &self.running
+    }
+
+    /// Waiting requests.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether anything is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Prompt tokens admitted or waiting that are not computed yet.
+    pub fn queued_prefill_tokens(&self) -> usize {
+        self.waiting
+            .iter()
+            .chain(&self.running)
+            .filter_map(|&s| self.seq(s))
+            .map(|s| s.tokens.len().saturating_sub(s.computed + 1))
+            .sum()
+    }
+
+    /// Queues a request. `seed` is its block-hash seed (salt).
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        max_tokens: usize,
+        seed: u64,
+    ) -> Result<SeqId, AddError> {
+        if prompt.is_empty() {
+            return Err(AddError::Empty);
+        }
+        let mut limit = self.cfg.max_model_len.min(self.pool.capacity() * self.cfg.block_size);
+        if !self.cfg.chunked_prefill {
+            // Without chunking a whole prompt (and any recompute) must fit one step.
+            limit = limit.min(self.cfg.max_batched_tokens);
+        }
+        if prompt.len() + max_tokens > limit {
+            return Err(AddError::TooLong { prompt: prompt.len(), max_tokens, limit });
+        }
+        if self.new_waiting >= self.cfg.max_waiting {
+            return Err(AddError::QueueFull(self.cfg.max_waiting));
+        }
+        let Some(slot) = self.free_slots.pop() else {
+            return Err(AddError::QueueFull(self.cfg.max_waiting));
+        };
+        let max_len = prompt.len() + max_tokens;
+        let bs = self.cfg.block_size;
+        let mut tokens = Vec::with_capacity(max_len);
+        tokens.extend_from_slice(prompt);
+        let mut hasher = BlockHasher::new(bs, seed);
+        let mut hashes = Vec::with_capacity(max_len / bs + 1);
+        hashes.extend(prompt.iter().filter_map(|&t| hasher.push(t)));
+        self.seqs[slot] = Some(Sequence {
+            id,
+            tokens,
+            prompt_len: prompt.len(),
+            max_len,
+            blocks: Vec::with_capacity(max_len.div_ceil(bs)),
+            computed: 0,
+            cached_prompt: 0,
+            preemptions: 0,
+            status: SeqStatus::Waiting,
+            hasher,
+            hashes,
+            registered: 0,
+            admitted_once: false,
+        });
+        self.waiting.push_back(slot);
+        self.new_waiting += 1;
+        Ok(slot)
+    }
+
+    /// Plans the next step into `out`.
+    pub fn schedule(&mut self, out: &mut SchedulerOutput) {
+        out.clear();
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut preempted_any = false;
+
+        // Running sequences, oldest first.
+        let mut i = 0;
+        while i < self.running.len() {
+            let sid = self.running[i];
+            let Some(seq) = self.seqs[sid].as_ref() else {
+                i += 1;
+                continue;
+            };
+            let remaining = seq.tokens.len() - seq.computed;
+            if remaining == 0 || budget == 0 {
+                i += 1;
+                continue;
+            }
+            let n = if self.cfg.chunked_prefill {
+                remaining.min(budget)
+            } else if remaining <= budget {
+                remaining
+            } else {
+                0
+            };
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let end = seq.computed + n;
+            // Make room, preempting the newest running sequences if needed.
+            let mut self_preempted = false;
+            while !self.grow_blocks(sid, end) {
+                let victim = *self.running.last().unwrap_or(&sid);
+                self.preempt(victim, out);
+                preempted_any = true;
+                if victim == sid {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted {
+                continue; // `running` shrank; the element at `i` is the next one
+            }
+            self.emit_chunks(sid, end, out);
+            budget -= n;
+            i += 1;
+        }
+
+        // Waiting requests, in order, unless this step had to preempt.
+        while !preempted_any && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&sid) = self.waiting.front() else { break };
+            self.match_prefix(sid);
+            let Some(seq) = self.seqs[sid].as_ref() else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let remaining = seq.tokens.len() - seq.computed;
+            let n = if self.cfg.chunked_prefill { remaining.min(budget) } else { remaining };
+            if n > budget {
+                break;
+            }
+            let end = seq.computed + n;
+            if !self.grow_blocks(sid, end) {
+                self.unmatch(sid);
+                break;
+            }
+            self.waiting.pop_front();
+            if let Some(seq) = self.seqs[sid].as_mut() {
+                seq.status = SeqStatus::Running;
+                if !seq.admitted_once {
+                    seq.admitted_once = true;
+                    seq.cached_prompt = seq.computed.min(seq.prompt_len);
+                    self.new_waiting -= 1;
+                }
+            }
+            self.running.push(sid);
+            self.emit_chunks(sid, end, out);
+            budget -= n;
+        }
+    }
+
+    /// Splits `computed..end` of `sid` into chunks of one attention mode each.
+    fn emit_chunks(&self, sid: SeqId, end: usize, out: &mut SchedulerOutput) {
+        let Some(seq) = self.seqs[sid].as_ref() else { return };
+        let mut pos = seq.computed;
+        while pos < end {
+            let mode = token_mode(seq.prompt_len, pos);
+            let mut stop = pos + 1;
+            while stop < end && token_mode(seq.prompt_len, stop) == mode {
+                stop += 1;
+            }
+            out.chunks.push(Chunk {
+                seq: sid,
+                start: pos,
+                len: stop - pos,
+                mode,
+                logits: stop == seq.tokens.len(),
+            });
+            let prefill = seq.prompt_len.max(seq.tokens.len() - 1);
+            out.num_prefill_tokens += stop.min(prefill).saturating_sub(pos.min(prefill));
+            out.num_tokens += stop - pos;
+            pos = stop;
+        }
+    }
+
+    /// Ensures `sid` has blocks for positions `..end`; false if the pool is exhausted
+    /// (blocks obtained so far are kept).
+    fn grow_blocks(&mut self, sid: SeqId, end: usize) -> bool {
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs[sid].as_mut() else { return false };
+        while seq.blocks.len() * bs < end {
+            match self.pool.allocate() {
+                Some(b) => seq.blocks.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Reuses cached blocks for the start of a (re)admitted sequence.
+    fn match_prefix(&mut self, sid: SeqId) {
+        if !self.cfg.prefix_caching {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs[sid].as_mut() else { return };
+        if !seq.blocks.is_empty() || seq.computed > 0 {
+            return;
+        }
+        // At least one token must be computed to get logits.
+        let max_blocks = (seq.tokens.len() - 1) / bs;
+        for &(_, h) in seq.hashes.iter().take(max_blocks) {
+            match self.pool.acquire_cached(h) {
+                Some(b) => seq.blocks.push(b),
+                None => break,
+            }
+        }
+        seq.computed = seq.blocks.len() * bs;
+        seq.registered = seq.blocks.len();
+    }
+
+    /// Undoes a prefix match (and any blocks) of a sequence that could not be admitted.
+    fn unmatch(&mut self, sid: SeqId) {
+        let Some(seq) = self.seqs[sid].as_mut() else { return };
+        for &b in seq.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        seq.blocks.clear();
+        seq.computed = 0;
+        seq.registered = 0;
+    }
+
+    fn preempt(&mut self, sid: SeqId, out: &mut SchedulerOutput) {
+        self.running.retain(|&s| s != sid);
+        out.chunks.retain(|c| c.seq != sid);
+        self.unmatch(sid);
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            seq.status = SeqStatus::Waiting;
+            seq.preemptions += 1;
+        }
+        self.waiting.push_front(sid);
+        out.preempted.push(sid);
+    }
+
+    /// Records that the step of `out` ran: advances computed counts and registers blocks
+    /// that became full and computed.
+    pub fn commit(&mut self, out: &SchedulerOutput) {
+        for c in &out.chunks {
+            if let Some(seq) = self.seqs[c.seq].as_mut() {
+                seq.computed = seq.computed.max(c.start + c.len);
+            }
+        }
+        for c in &out.chunks {
+            self.register_full(c.seq);
+        }
+    }
+
+    fn register_full(&mut self, sid: SeqId) {
+        if !self.cfg.prefix_caching {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs[sid].as_mut() else { return };
+        let full = (seq.computed / bs).min(seq.hashes.len()).min(seq.blocks.len());
+        while seq.registered < full {
+            let i = seq.registered;
+            let parent = if i == 0 { None } else { Some(seq.hashes[i - 1].1) };
+            let (local, h) = seq.hashes[i];
+            self.pool.register(seq.blocks[i], h, local, parent);
+            seq.registered += 1;
+        }
+    }
+
+    /// Appends a sampled token to a sequence.
+    pub fn append_token(&mut self, sid: SeqId, token: u32) {
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            debug_assert!(seq.tokens.len() < seq.max_len);
+            seq.tokens.push(token);
+            if let Some(h) = seq.hasher.push(token) {
+                seq.hashes.push(h);
+            }
+        }
+    }
+
+    /// Removes a sequence (finished or cancelled) and returns its blocks; works in any state.
+    pub fn remove(&mut self, sid: SeqId) -> Option<Sequence> {
+        let seq = self.seqs.get_mut(sid)?.take()?;
+        if let Some(p) = self.running.iter().position(|&s| s == sid) {
+            self.running.remove(p);
+        }
+        if let Some(p) = self.waiting.iter().position(|&s| s == sid) {
+            self.waiting.remove(p);
+            if !seq.admitted_once {
+                self.new_waiting -= 1;
+            }
+        }
+        for &b in seq.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        self.free_slots.push(sid);
+        Some(seq)
+    }
+
+    /// Checks the bookkeeping (tests): every held block is referenced exactly as often as
+    /// sequences hold it, queues and slots agree.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pool.check_invariants()?;
+        let mut refs = vec![0u32; self.pool.capacity()];
+        for seq in self.seqs.iter().flatten() {
+            for &b in &seq.blocks {
+                refs[b as usize] += 1;
+            }
+            if seq.computed > seq.tokens.len()
+                || seq.blocks.len() * self.cfg.block_size < seq.computed
+            {
+                return Err(format!(
+                    "sequence {:?} computed {} of {} with {} blocks",
+                    seq.id,
+                    seq.computed,
+                    seq.tokens.len(),
+                    seq.blocks.len()
+                ));
+            }
+        }
+        for (b, &r) in refs.iter().enumerate() {
+            if self.pool.refcount(b as u32) != r {
+                return Err(format!(
+                    "block {b}: refcount {} but held {r} times",
+                    self.pool.refcount(b as u32)
+                ));
+            }
+        }
+        let live = self.seqs.iter().filter(|s| s.is_some()).count();
+        if live != self.running.len() + self.waiting.len() {
+            return Err(format!(
+                "{live} sequences but {} running + {} waiting",
+                self.running.len(),
+                self.waiting.len()
+            ));
+        }
+        if live + self.free_slots.len() != self.seqs.len() {
+            return Err("slot accounting is off".into());
+        }
+        Ok(())
+    }
+}
+
+/// The attention path of token `pos` of a sequence with a `prompt_len`-token prompt:
+/// prompt tokens follow llama.cpp's prompt batches, generated tokens its single-token steps.
+pub fn token_mode(prompt_len: usize, pos: usize) -> AttnMode {
+    if pos < prompt_len { prompt_mode(prompt_len, pos) } else { AttnMode::Decode }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(budget: usize, seqs: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            block_size: 4,
+            max_num_seqs: seqs,
+            max_batched_tokens: budget,
+            max_waiting: 8,
+            ..Default::default()
+        }
+    }
+
+    /// Runs one step as the engine would, sampling token `7` for each logits chunk.
+    fn step(s: &mut Scheduler, out: &mut SchedulerOutput) {
+        s.schedule(out);
+        s.commit(out);
+        for c in out.chunks.clone() {
+            if c.logits {
+                s.append_token(c.seq, 7);
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_then_decode() {
+        let mut s = Scheduler::new(cfg(8, 4), 16);
+        let a = s.add(RequestId(1), &[1; 20], 4, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        step(&mut s, &mut out);
+        assert_eq!(
+            out.chunks,
+            vec![Chunk { seq: a, start: 0, len: 8, mode: AttnMode::Prefill, logits: false }]
+        );
+        step(&mut s, &mut out);
+        step(&mut s, &mut out);
+        assert_eq!(out.chunks[0].start + out.chunks[0].len, 20);
+        assert!(out.chunks[0].logits);
+        step(&mut s, &mut out);
+        assert_eq!(
+            out.chunks,
+            vec![Chunk { seq: a, start: 20, len: 1, mode: AttnMode::Decode, logits: true }]
+        );
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_shared_prefix_is_computed_once() {
+        let mut s = Scheduler::new(cfg(64, 4), 32);
+        let prefix: Vec<u32> = (0..16).collect();
+        let mut p1 = prefix.clone();
+        p1.extend([100, 101]);
+        let mut p2 = prefix.clone();
+        p2.extend([200, 201, 202]);
+        let a = s.add(RequestId(1), &p1, 2, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        step(&mut s, &mut out);
+        assert_eq!(out.num_tokens, 18);
+        let b = s.add(RequestId(2), &p2, 2, 0).unwrap();
+        step(&mut s, &mut out);
+        let chunk_b = out.chunks.iter().find(|c| c.seq == b).unwrap();
+        assert_eq!((chunk_b.start, chunk_b.len), (16, 3), "only the new tokens are computed");
+        assert_eq!(s.seq(b).unwrap().cached_prompt, 16);
+        assert_eq!(s.seq(a).unwrap().blocks[..4], s.seq(b).unwrap().blocks[..4]);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn exhausted_blocks_preempt_the_newest_and_it_recomputes() {
+        // 6 blocks of 4 tokens; two sequences of 8-token prompts growing to 16 tokens.
+        let mut s = Scheduler::new(cfg(64, 4), 6);
+        let a = s.add(RequestId(1), &[1; 8], 8, 0).unwrap();
+        let b = s.add(RequestId(2), &[2; 8], 8, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        let mut preempted = false;
+        for _ in 0..20 {
+            step(&mut s, &mut out);
+            preempted |= out.preempted.contains(&b);
+            s.check_invariants().unwrap();
+            for sid in [a, b] {
+                if s.seq(sid).is_some_and(|q| q.tokens.len() == q.max_len) {
+                    s.remove(sid);
+                }
+            }
+            if !s.has_work() {
+                break;
+            }
+        }
+        assert!(preempted, "the newer sequence was preempted");
+        assert!(!s.has_work(), "both finished");
+        assert_eq!(s.pool().active(), 0);
+    }
+
+    #[test]
+    fn queue_bounds_and_lengths_are_enforced() {
+        let mut s = Scheduler::new(cfg(64, 1), 4);
+        assert_eq!(s.add(RequestId(0), &[], 1, 0), Err(AddError::Empty));
+        assert!(matches!(
+            s.add(RequestId(0), &[1; 10], 10, 0),
+            Err(AddError::TooLong { limit: 16, .. })
+        ));
+        for i in 0..8 {
+            s.add(RequestId(i), &[1], 1, 0).unwrap();
+        }
+        assert_eq!(s.add(RequestId(9), &[1], 1, 0), Err(AddError::QueueFull(8)));
+    }
+
+    #[test]
+    fn recompute_after_preemption_keeps_generated_tokens_in_decode_mode() {
+        let mut s = Scheduler::new(cfg(64, 2), 8);
+        let a = s.add(RequestId(1), &[3; 5], 6, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        for _ in 0..3 {
+            step(&mut s, &mut out);
+        }
+        // Force a preemption of `a` and readmit it.
+        s.preempt(a, &mut out);
+        s.schedule(&mut out);
+        let modes: Vec<(usize, usize, AttnMode)> =
+            out.chunks.iter().map(|c| (c.start, c.len, c.mode)).collect();
+        // Block 0 (4 prompt tokens) is a prefix-cache hit; the rest is recomputed.
+        assert_eq!(modes, vec![(4, 1, AttnMode::Prefill), (5, 3, AttnMode::Decode)]);
+        assert!(out.chunks[1].logits);
+    }
+}
