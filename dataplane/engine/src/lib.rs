@@ -5,7 +5,6 @@
 
 pub mod block_pool;
 pub mod engine;
-pub mod generate;
 pub mod output;
 pub mod sampler;
 pub mod scheduler;

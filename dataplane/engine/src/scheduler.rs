@@ -20,7 +20,6 @@ use kvx_proto::hashing::BlockHasher;
 use kvx_proto::{LocalBlockHash, RequestId, SequenceHash};
 
 use crate::block_pool::{BlockId, BlockPool};
-use crate::generate::prompt_mode;
 
 /// Index of a sequence in the scheduler.
 pub type SeqId = usize;
@@ -554,6 +553,17 @@ impl Scheduler {
     }
 }
 
+/// Tokens llama.cpp evaluates per prompt batch (llama-cpp-python's default `n_batch`).
+pub const PROMPT_BATCH: usize = 512;
+
+/// The attention arithmetic of prompt token `i` of a `len`-token prompt: llama.cpp runs the
+/// prompt in batches of [`PROMPT_BATCH`] and a batch of one token takes the single-token path.
+pub fn prompt_mode(len: usize, i: usize) -> AttnMode {
+    let batch_start = i - i % PROMPT_BATCH;
+    let batch_len = (len - batch_start).min(PROMPT_BATCH);
+    if batch_len >= 2 { AttnMode::Prefill } else { AttnMode::Decode }
+}
+
 /// The attention path of token `pos` of a sequence with a `prompt_len`-token prompt:
 /// prompt tokens follow llama.cpp's prompt batches, generated tokens its single-token steps.
 pub fn token_mode(prompt_len: usize, pos: usize) -> AttnMode {
@@ -583,6 +593,17 @@ mod tests {
                 s.append_token(c.seq, 7);
             }
         }
+    }
+
+    #[test]
+    fn prompt_modes_follow_llama_cpp_batches() {
+        assert_eq!(prompt_mode(1, 0), AttnMode::Decode);
+        assert_eq!(prompt_mode(2, 0), AttnMode::Prefill);
+        assert_eq!(prompt_mode(2, 1), AttnMode::Prefill);
+        assert_eq!(prompt_mode(513, 511), AttnMode::Prefill);
+        assert_eq!(prompt_mode(513, 512), AttnMode::Decode);
+        assert_eq!(prompt_mode(514, 513), AttnMode::Prefill);
+        assert_eq!(token_mode(3, 3), AttnMode::Decode);
     }
 
     #[test]

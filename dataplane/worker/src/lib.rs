@@ -1,3 +1,11 @@
-//! kvx-worker: the shard executor (one pinned thread per shard composing engine, kvbm and xfer).
+//! kvx-worker: the shard executor — one pinned OS thread per shard, each owning an engine
+//! (scheduler, block pool, KV cache, kernel thread pool) and a bounded inbox. Shards of one
+//! process share the read-only model weights (one mmap).
 
 #![forbid(unsafe_code)]
+
+pub mod shard;
+
+pub use shard::{
+    Command, OutputSender, ShardConfig, ShardHandle, ShardStatus, SubmitError, pin_current, spawn,
+};

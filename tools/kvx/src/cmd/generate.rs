@@ -1,25 +1,30 @@
 //! `kvx generate` and `kvx tokenize`: run the model on the command line.
 
+use std::collections::HashMap;
 use std::io::Write;
-use std::ops::ControlFlow;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvx_engine::generate::{Finish, Generator};
-use kvx_engine::sampler::SamplingParams;
-use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::LlamaModel;
-use kvx_tokenizer::{ChatMessage, DecodeStream, Tokenizer};
+use kvx_kernels::par::ThreadPool;
+use kvx_proto::{FinishReason, GenerateRequest, RequestId, SamplingOptions, StopConditions, Usage};
+use kvx_tokenizer::{ChatMessage, Tokenizer};
 
 use super::Runtime;
+use super::engine::EngineOpts;
 
 #[derive(Debug, Args)]
 pub(crate) struct GenerateArgs {
     /// Prompt text (with `--chat`, the content of one user message).
+    #[arg(long, required_unless_present = "prompts_file", conflicts_with = "prompts_file")]
+    prompt: Option<String>,
+    /// A file with one prompt per line, run through one engine `--concurrency` at a time.
     #[arg(long)]
-    prompt: String,
+    prompts_file: Option<PathBuf>,
+    /// Requests in flight at once with `--prompts-file`.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
     /// Wrap the prompt as a user message through the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -47,21 +52,12 @@ pub(crate) struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Print one JSON object: prompt_token_ids, token_ids, text, finish_reason.
+    /// Print JSON: one object `{prompt_token_ids, token_ids, text, finish_reason}` per prompt
+    /// (one line each with `--prompts-file`, plus `index`, `ttft_ms`, `cached_tokens`).
     #[arg(long)]
     json: bool,
     #[command(flatten)]
-    model: ModelOpts,
-}
-
-#[derive(Debug, Args)]
-pub(crate) struct ModelOpts {
-    /// Model: a catalogue name or a path to a GGUF file (default model when absent).
-    #[arg(long, env = "KVX_MODEL")]
-    pub(crate) model: Option<String>,
-    /// Kernel threads (default: all cores).
-    #[arg(long, env = "KVX_THREADS")]
-    pub(crate) threads: Option<usize>,
+    engine: EngineOpts,
 }
 
 #[derive(Debug, Args)]
@@ -132,71 +128,156 @@ pub(crate) fn tokenize(args: TokenizeArgs, rt: &Runtime) -> Result<()> {
     Ok(())
 }
 
+/// One prompt's progress through the engine.
+struct Job {
+    index: usize,
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    text: String,
+    submitted: Instant,
+    first: Option<Instant>,
+    finish: Option<(FinishReason, Usage)>,
+}
+
 pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
-    let path = rt.store.resolve(args.model.model.as_deref())?;
-    let tok = load_tokenizer(&path)?;
-    let text = prompt_text(&tok, &args.prompt, args.chat, args.system.as_deref())?;
-    let prompt = tok.encode_prompt(&text)?;
-    let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let model = Arc::new(LlamaModel::load(Arc::new(file))?);
-    let threads = args.model.threads.unwrap_or(rt.cores);
-    let mut g = Generator::new(model, rt.kernels()?, threads, prompt.len() + args.max_tokens)?;
-    let params = SamplingParams {
+    let loaded = args.engine.load(rt)?;
+    let tok = &loaded.tokenizer;
+    let texts: Vec<String> = match (&args.prompt, &args.prompts_file) {
+        (Some(p), _) => vec![p.clone()],
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading {}", f.display()))?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect(),
+        (None, None) => bail!("give --prompt or --prompts-file"),
+    };
+    let prompts: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| Ok(tok.encode_prompt(&prompt_text(tok, t, args.chat, args.system.as_deref())?)?))
+        .collect::<Result<_>>()?;
+    let concurrency = args.concurrency.max(1);
+    let mut opts = args.engine.clone();
+    opts.max_num_seqs = opts.max_num_seqs.min(concurrency);
+    let threads = super::engine::threads_per_engine(&opts, rt.cores, 1);
+    let pool = ThreadPool::new(threads).context("starting kernel threads")?;
+    let mut engine = opts.engine(&loaded, rt.kernels()?, pool, 1, 0)?;
+    let sampling = SamplingOptions {
         temperature: args.temperature,
-        top_k: args.top_k,
+        top_k: args.top_k as u32,
         top_p: args.top_p,
         min_p: args.min_p,
         seed: args.seed,
         ..Default::default()
     };
-    let mut stream = DecodeStream::new(true);
-    let mut text_out = String::new();
+    let single = args.prompts_file.is_none();
     let stdout = std::io::stdout();
-    let json = args.json;
-    let ignore_eos = args.ignore_eos;
-    let r = g.generate(
-        &prompt,
-        &params,
-        args.max_tokens,
-        |t| !ignore_eos && tok.is_eog(t),
-        |t| {
-            let before = text_out.len();
-            if stream.step_into(&tok, t, &mut text_out).is_err() {
-                return ControlFlow::Break(());
+    let mut jobs: Vec<Job> = Vec::with_capacity(prompts.len());
+    let mut by_id: HashMap<RequestId, usize> = HashMap::new();
+    let mut next = 0;
+    let start = Instant::now();
+    let mut done = 0;
+    while done < prompts.len() {
+        while next < prompts.len() && by_id.len() < concurrency {
+            let req = GenerateRequest {
+                id: RequestId(next as u64 + 1),
+                prompt: prompts[next].clone(),
+                sampling: sampling.clone(),
+                stop: StopConditions {
+                    max_tokens: args.max_tokens as u32,
+                    ignore_eos: args.ignore_eos,
+                    ..Default::default()
+                },
+                logprobs: None,
+                salt: None,
+            };
+            engine.add(&req).map_err(|e| anyhow::anyhow!("prompt {next}: {e}"))?;
+            by_id.insert(req.id, jobs.len());
+            jobs.push(Job {
+                index: next,
+                prompt: req.prompt,
+                tokens: Vec::new(),
+                text: String::new(),
+                submitted: Instant::now(),
+                first: None,
+                finish: None,
+            });
+            next += 1;
+        }
+        let out = engine.step()?;
+        for ev in &out.events {
+            let Some(&j) = by_id.get(&ev.id) else { continue };
+            let job = &mut jobs[j];
+            if let Some(t) = ev.token {
+                job.tokens.push(t);
+                job.first.get_or_insert_with(Instant::now);
             }
-            if !json {
-                let mut out = stdout.lock();
-                let _ = out.write_all(&text_out.as_bytes()[before..]);
-                let _ = out.flush();
+            let text = out.text_of(ev);
+            job.text.push_str(text);
+            if single && !args.json {
+                let mut o = stdout.lock();
+                let _ = o.write_all(text.as_bytes());
+                let _ = o.flush();
             }
-            ControlFlow::Continue(())
-        },
-    )?;
-    stream.finish(&mut text_out);
-    let finish = match r.finish {
-        Finish::Stop => "stop",
-        Finish::Length => "length",
-        Finish::Cancelled => bail!("generation stopped: a token could not be decoded"),
-    };
-    let n = r.tokens.len();
-    if json {
-        let v = serde_json::json!({
-            "prompt_token_ids": prompt,
-            "token_ids": r.tokens,
-            "text": text_out,
-            "finish_reason": finish,
-        });
-        println!("{v}");
-    } else {
-        println!();
+            if let Some(reason) = ev.finish {
+                job.finish = Some((reason, ev.usage));
+                by_id.remove(&ev.id);
+                done += 1;
+                if !single {
+                    print_job(job, args.json)?;
+                }
+            }
+        }
     }
-    let decode_tps = if n > 1 { (n - 1) as f64 / r.decode.as_secs_f64() } else { 0.0 };
+    let wall = start.elapsed().as_secs_f64();
+    if single {
+        if args.json {
+            print_job_json(&jobs[0], false)?;
+        } else {
+            println!();
+        }
+    }
+    let stats = engine.stats();
+    let generated: usize = jobs.iter().map(|j| j.tokens.len()).sum();
+    let ttft: Vec<f64> = jobs
+        .iter()
+        .filter_map(|j| j.first.map(|f| (f - j.submitted).as_secs_f64() * 1e3))
+        .collect();
+    let mean_ttft = ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
     eprintln!(
-        "kvx: prompt {} tokens in {:.1} ms ({:.0} tok/s), generated {n} tokens at {decode_tps:.1} tok/s, {finish}, kernels {}",
-        prompt.len(),
-        r.prefill.as_secs_f64() * 1e3,
-        prompt.len() as f64 / r.prefill.as_secs_f64(),
+        "kvx: {} request(s), {generated} tokens generated in {wall:.2} s ({:.1} tok/s), prompt tokens {} ({} computed, {} from the prefix cache), mean TTFT {mean_ttft:.1} ms, {} preemption(s), kernels {}",
+        jobs.len(),
+        generated as f64 / wall,
+        stats.prompt_tokens,
+        stats.prefill_tokens,
+        stats.cached_tokens,
+        stats.preemptions,
         rt.kernels()?.level
     );
+    Ok(())
+}
+
+fn print_job(job: &Job, json: bool) -> Result<()> {
+    if json {
+        return print_job_json(job, true);
+    }
+    println!("--- [{}] {}\n{}", job.index, job.finish.map_or("?", |(r, _)| r.as_str()), job.text);
+    Ok(())
+}
+
+fn print_job_json(job: &Job, batch: bool) -> Result<()> {
+    let (reason, usage) = job.finish.unwrap_or((FinishReason::Length, Usage::default()));
+    let mut v = serde_json::json!({
+        "prompt_token_ids": job.prompt,
+        "token_ids": job.tokens,
+        "text": job.text,
+        "finish_reason": reason.as_str(),
+    });
+    if batch {
+        v["index"] = job.index.into();
+        v["cached_tokens"] = usage.cached_tokens.into();
+        v["ttft_ms"] = job.first.map_or(0.0, |f| (f - job.submitted).as_secs_f64() * 1e3).into();
+    }
+    println!("{v}");
     Ok(())
 }

@@ -12,6 +12,7 @@ use crate::models::{Store, default_home};
 
 mod bench;
 mod bench_xfer;
+mod engine;
 mod generate;
 mod model;
 

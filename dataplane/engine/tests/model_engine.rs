@@ -1,0 +1,137 @@
+//! The engine on the real model: batch invariance (16 requests together produce exactly the
+//! tokens each produces alone, with and without chunked prefill, and with preemptions forced
+//! by a tiny block pool), prefix caching (a request sharing a long prefix computes only its
+//! new tokens). The allocation-free step loop is checked in `alloc_free.rs`.
+//!
+//! Needs `KVX_TEST_MODEL` (the default model; `cargo xtask test` exports it).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvx_engine::scheduler::SchedulerConfig;
+use kvx_engine::{Engine, EngineConfig, ModelBackend};
+use kvx_kernels::cpu;
+use kvx_kernels::gguf::GgufFile;
+use kvx_kernels::model::LlamaModel;
+use kvx_kernels::par::ThreadPool;
+use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
+
+fn model() -> Arc<LlamaModel> {
+    let path = std::env::var_os("KVX_TEST_MODEL").expect(
+        "KVX_TEST_MODEL is not set (path to the default GGUF); run through `cargo xtask test`",
+    );
+    Arc::new(
+        LlamaModel::load(Arc::new(GgufFile::open(path).expect("open model"))).expect("load model"),
+    )
+}
+
+fn engine(model: &Arc<LlamaModel>, blocks: usize, sched: SchedulerConfig) -> Engine {
+    let pool = ThreadPool::new(2).expect("pool");
+    let backend = ModelBackend::new(
+        model.clone(),
+        cpu::kernels(),
+        pool,
+        blocks,
+        sched.block_size,
+        sched.max_batched_tokens,
+        1024,
+    )
+    .expect("backend");
+    Engine::new(EngineConfig { sched, worker_id: 1 }, Box::new(backend), None)
+}
+
+/// 16 distinct prompts of different lengths (token ids; no tokenizer needed).
+fn prompts() -> Vec<Vec<u32>> {
+    (0..16u32)
+        .map(|i| {
+            let len = 5 + (i as usize * 7) % 40;
+            (0..len as u32).map(|j| 100 + (i * 977 + j * 31) % 20_000).collect()
+        })
+        .collect()
+}
+
+fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        id: RequestId(i as u64 + 1),
+        prompt: prompt.to_vec(),
+        sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
+        stop: StopConditions { max_tokens, ..Default::default() },
+        logprobs: None,
+        salt: None,
+    }
+}
+
+/// Runs `reqs` through `e` (all submitted at once) and returns each request's tokens.
+fn run_all(e: &mut Engine, reqs: &[GenerateRequest]) -> HashMap<RequestId, Vec<u32>> {
+    for r in reqs {
+        e.add(r).expect("add");
+    }
+    let mut out: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut finished = 0;
+    while finished < reqs.len() {
+        let step = e.step().expect("step");
+        for ev in &step.events {
+            if let Some(t) = ev.token {
+                out.entry(ev.id).or_default().push(t);
+            }
+            finished += usize::from(ev.finish.is_some());
+        }
+        e.drain_block_events(|_| {});
+    }
+    out
+}
+
+fn sched(budget: usize, chunked: bool) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 16,
+        max_num_seqs: 16,
+        max_batched_tokens: budget,
+        max_waiting: 64,
+        chunked_prefill: chunked,
+        max_model_len: 1024,
+        prefix_caching: true,
+    }
+}
+
+#[test]
+fn batch_invariance_with_chunking_and_preemption() {
+    let m = model();
+    let reqs: Vec<GenerateRequest> =
+        prompts().iter().enumerate().map(|(i, p)| request(i, p, 12)).collect();
+    // Each request alone.
+    let mut alone = HashMap::new();
+    for r in &reqs {
+        let mut e = engine(&m, 64, sched(512, true));
+        alone.extend(run_all(&mut e, std::slice::from_ref(r)));
+    }
+    // Together, whole prompts per step.
+    let mut e = engine(&m, 256, sched(1024, false));
+    assert_eq!(run_all(&mut e, &reqs), alone, "16 together (no chunking)");
+    // Together, prompts chunked by a small budget.
+    let mut e = engine(&m, 256, sched(24, true));
+    assert_eq!(run_all(&mut e, &reqs), alone, "16 together (chunked prefill)");
+    // Together in a pool too small for all of them: preemption and recompute.
+    let mut e = engine(&m, 20, sched(64, true));
+    let together = run_all(&mut e, &reqs);
+    assert!(e.stats().preemptions > 0, "the tiny pool forced preemptions");
+    assert_eq!(together, alone, "16 together with preemptions");
+}
+
+#[test]
+fn a_shared_prefix_is_not_recomputed() {
+    let m = model();
+    let prefix: Vec<u32> = (0..1000u32).map(|j| 200 + (j * 37) % 30_000).collect();
+    let mut a = prefix.clone();
+    a.extend([11, 12, 13]);
+    let mut b = prefix.clone();
+    b.extend([21, 22, 23, 24, 25]);
+    let mut e = engine(&m, 200, sched(512, true));
+    run_all(&mut e, &[request(0, &a, 2)]);
+    let before = e.stats();
+    assert_eq!(before.prefill_tokens, 1003);
+    run_all(&mut e, &[request(1, &b, 2)]);
+    let after = e.stats();
+    // 1000 = 62 full blocks (992 tokens) cached; the rest of b is computed.
+    assert_eq!(after.cached_tokens - before.cached_tokens, 992);
+    assert_eq!(after.prefill_tokens - before.prefill_tokens, (b.len() - 992) as u64);
+}

@@ -1,0 +1,371 @@
+//! A shard: one OS thread (pinned to a core when asked) that owns an engine and serves its
+//! inbox. Requests arrive as commands; outputs leave through each request's own channel;
+//! KV events and load snapshots are published at step boundaries.
+//!
+//! The inbox is bounded (a full inbox is backpressure the caller turns into "overloaded").
+//! A request whose output channel is closed (the client went away) is cancelled at the next
+//! step boundary, which returns its blocks.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvx_engine::block_pool::BlockEvent;
+use kvx_engine::{Engine, EngineError, EngineStats};
+use kvx_proto::{
+    ErrorClass, GenerateRequest, KvEvent, KvEventData, LoadReport, Output, OutputDelta, RequestId,
+    StorageTier, StoredBlock,
+};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Where a request's outputs go.
+pub type OutputSender = UnboundedSender<Output>;
+
+/// A message to a shard.
+#[derive(Debug)]
+pub enum Command {
+    /// Start a request.
+    Add(Box<GenerateRequest>, OutputSender),
+    /// Cancel a request.
+    Cancel(RequestId),
+    /// Stop accepting work; finish what runs until the deadline, then cancel it.
+    Shutdown(Duration),
+}
+
+/// Shard settings.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    /// Index among the process's shards (thread names, logs).
+    pub index: usize,
+    /// Core to pin the shard thread to.
+    pub core: Option<usize>,
+    /// Commands queued at most.
+    pub inbox_capacity: usize,
+}
+
+/// Why a request could not be handed to a shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The inbox is full.
+    #[error("the worker's queue is full")]
+    Full,
+    /// The shard has stopped.
+    #[error("the worker has stopped")]
+    Closed,
+}
+
+/// What a shard publishes at step boundaries.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ShardStatus {
+    /// Load.
+    pub load: LoadReport,
+    /// Engine counters.
+    pub stats: EngineStats,
+    /// Requests in the shard (queued or running).
+    pub requests: usize,
+}
+
+/// The owner's side of a shard.
+#[derive(Debug)]
+pub struct ShardHandle {
+    index: usize,
+    tx: SyncSender<Command>,
+    status: Arc<Mutex<ShardStatus>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ShardHandle {
+    /// Index of the shard.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Hands a request to the shard without blocking.
+    pub fn submit(&self, req: GenerateRequest, sink: OutputSender) -> Result<(), SubmitError> {
+        self.tx.try_send(Command::Add(Box::new(req), sink)).map_err(|e| match e {
+            TrySendError::Full(_) => SubmitError::Full,
+            TrySendError::Disconnected(_) => SubmitError::Closed,
+        })
+    }
+
+    /// Asks the shard to cancel a request (best effort when the inbox is full: a closed
+    /// output channel cancels the request anyway).
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.tx.try_send(Command::Cancel(id));
+    }
+
+    /// The latest status.
+    pub fn status(&self) -> ShardStatus {
+        *self.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the shard thread is still running.
+    pub fn is_alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Stops the shard: running requests get until `grace` to finish, then are cancelled.
+    /// Waits for the thread.
+    pub fn shutdown(mut self, grace: Duration) {
+        let _ = self.tx.send(Command::Shutdown(grace));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ShardHandle {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = self.tx.try_send(Command::Shutdown(Duration::ZERO));
+            let _ = t.join();
+        }
+    }
+}
+
+/// Pins the calling thread to `core` (ignored where the OS refuses).
+pub fn pin_current(core: usize) -> bool {
+    core_affinity::set_for_current(core_affinity::CoreId { id: core })
+}
+
+/// Starts a shard. `make_engine` runs on the shard thread (after pinning), so the engine's
+/// memory is first touched there. `events` receives the shard's KV events (dropped when full:
+/// the router detects the gap and resyncs).
+pub fn spawn(
+    cfg: ShardConfig,
+    make_engine: impl FnOnce() -> Result<Engine, EngineError> + Send + 'static,
+    events: Option<SyncSender<KvEvent>>,
+) -> Result<ShardHandle, EngineError> {
+    let (tx, rx) = mpsc::sync_channel(cfg.inbox_capacity.max(1));
+    let status = Arc::new(Mutex::new(ShardStatus::default()));
+    let st = status.clone();
+    let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+    let core = cfg.core;
+    let thread = std::thread::Builder::new()
+        .name(format!("kvx-shard-{}", cfg.index))
+        .spawn(move || {
+            if let Some(c) = core {
+                pin_current(c);
+            }
+            match make_engine() {
+                Ok(engine) => {
+                    let _ = ready_tx.send(Ok(()));
+                    run(engine, rx, st, events);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| EngineError::Internal(format!("spawning a shard thread: {e}")))?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(ShardHandle { index: cfg.index, tx, status, thread: Some(thread) }),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = thread.join();
+            Err(EngineError::Internal("the shard thread died while starting".into()))
+        }
+    }
+}
+
+struct Loop {
+    engine: Engine,
+    sinks: HashMap<RequestId, OutputSender>,
+    status: Arc<Mutex<ShardStatus>>,
+    events: Option<SyncSender<KvEvent>>,
+    next_event: u64,
+    worker_id: u64,
+    draining: Option<Instant>,
+}
+
+fn run(
+    engine: Engine,
+    rx: Receiver<Command>,
+    status: Arc<Mutex<ShardStatus>>,
+    events: Option<SyncSender<KvEvent>>,
+) {
+    let worker_id = engine.config().worker_id;
+    let mut l = Loop {
+        engine,
+        sinks: HashMap::new(),
+        status,
+        events,
+        next_event: 1,
+        worker_id,
+        draining: None,
+    };
+    let mut inbox_open = true;
+    loop {
+        // Take every pending command without blocking while there is work.
+        loop {
+            let cmd = if l.engine.has_work() || !inbox_open {
+                match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        inbox_open = false;
+                        break;
+                    }
+                }
+            } else {
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(c) => c,
+                    Err(RecvTimeoutError::Timeout) => {
+                        l.publish_status();
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => {
+                        inbox_open = false;
+                        break;
+                    }
+                }
+            };
+            match cmd {
+                Command::Add(req, sink) => l.add(*req, sink),
+                Command::Cancel(id) => {
+                    l.engine.cancel(id);
+                }
+                Command::Shutdown(grace) => {
+                    l.draining = Some(Instant::now() + grace);
+                    inbox_open = false;
+                }
+            }
+        }
+        if let Some(deadline) = l.draining {
+            if Instant::now() >= deadline {
+                let ids: Vec<RequestId> = l.sinks.keys().copied().collect();
+                for id in ids {
+                    l.engine.cancel(id);
+                }
+            }
+            if !l.engine.has_work() && l.sinks.is_empty() {
+                l.publish_status();
+                return;
+            }
+        }
+        if !inbox_open && l.draining.is_none() {
+            // The handle is gone: cancel everything and stop.
+            l.draining = Some(Instant::now());
+            continue;
+        }
+        if l.engine.has_work() {
+            l.step();
+        }
+        l.publish_status();
+    }
+}
+
+impl Loop {
+    fn add(&mut self, req: GenerateRequest, sink: OutputSender) {
+        if self.draining.is_some() {
+            let _ = sink.send(Output::Error {
+                class: ErrorClass::Unavailable,
+                message: "the worker is shutting down".into(),
+            });
+            return;
+        }
+        match self.engine.add(&req) {
+            Ok(()) => {
+                self.sinks.insert(req.id, sink);
+            }
+            Err(e) => {
+                let _ = sink.send(Output::Error { class: e.class(), message: e.to_string() });
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let out = match self.engine.step() {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::error!(error = %e, "engine step failed; failing its requests");
+                let msg = e.to_string();
+                for (_, sink) in self.sinks.drain() {
+                    let _ = sink
+                        .send(Output::Error { class: ErrorClass::Internal, message: msg.clone() });
+                }
+                let ids: Vec<RequestId> = self
+                    .engine
+                    .scheduler()
+                    .running()
+                    .iter()
+                    .filter_map(|&s| self.engine.scheduler().seq(s).map(|q| q.id))
+                    .collect();
+                for id in ids {
+                    self.engine.cancel(id);
+                }
+                return;
+            }
+        };
+        let mut gone = Vec::new();
+        for ev in &out.events {
+            let Some(sink) = self.sinks.get(&ev.id) else { continue };
+            let mut ok = true;
+            if let Some(t) = ev.token {
+                let logprobs = if ev.top.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![kvx_proto::Logprob {
+                        logprob: ev.logprob,
+                        top: out.top[ev.top.clone()].to_vec(),
+                    }]
+                };
+                let delta =
+                    OutputDelta { tokens: vec![t], text: out.text_of(ev).to_string(), logprobs };
+                ok = sink.send(Output::Delta(delta)).is_ok();
+            }
+            if let Some(reason) = ev.finish {
+                let _ = sink.send(Output::Finished { reason, usage: ev.usage });
+                self.sinks.remove(&ev.id);
+            } else if !ok {
+                gone.push(ev.id);
+            }
+        }
+        // Requests whose client went away (seen on send, or on a request that produced no
+        // token this step) are cancelled now; their blocks return before the next step.
+        gone.extend(self.sinks.iter().filter(|(_, s)| s.is_closed()).map(|(id, _)| *id));
+        for id in gone {
+            self.sinks.remove(&id);
+            self.engine.cancel(id);
+        }
+        self.publish_events();
+    }
+
+    fn publish_events(&mut self) {
+        let Some(tx) = self.events.clone() else {
+            self.engine.drain_block_events(|_| {});
+            return;
+        };
+        let worker_id = self.worker_id;
+        let next = &mut self.next_event;
+        self.engine.drain_block_events(|e| {
+            let data = match e {
+                BlockEvent::Stored { seq_hash, local_hash, parent } => KvEventData::Stored {
+                    parent,
+                    blocks: vec![StoredBlock { seq_hash, local_hash }],
+                },
+                BlockEvent::Removed { seq_hash } => {
+                    KvEventData::Removed { seq_hashes: vec![seq_hash] }
+                }
+            };
+            let ev = KvEvent { worker_id, event_id: *next, tier: StorageTier::Device, data };
+            *next += 1;
+            // A full queue drops the event; the consumer sees the id gap and resyncs.
+            let _ = tx.try_send(ev);
+        });
+    }
+
+    fn publish_status(&self) {
+        let s = ShardStatus {
+            load: self.engine.load(),
+            stats: self.engine.stats(),
+            requests: self.sinks.len(),
+        };
+        *self.status.lock().unwrap_or_else(|p| p.into_inner()) = s;
+    }
+}
