@@ -25,7 +25,7 @@ pub(crate) struct BenchArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum BenchCommand {
     /// Benchmark an OpenAI-compatible endpoint (what `kvx bench` does without a subcommand).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print two JSON reports side by side with B/A ratios.
     Compare(CompareArgs),
     /// KV transfer bandwidth and latency (shm, tcp, file backends).
@@ -53,10 +53,21 @@ pub(crate) enum WorkloadKind {
 pub(crate) struct RunArgs {
     // Endpoint.
     /// Base URL of the server (`/v1/...` paths are added) or a full request URL.
-    #[arg(long, default_value = "http://127.0.0.1:8000", env = "KVX_BENCH_URL", help_heading = "Endpoint")]
+    #[arg(
+        long,
+        default_value = "http://127.0.0.1:8000",
+        env = "KVX_BENCH_URL",
+        help_heading = "Endpoint"
+    )]
     url: String,
     /// API to call.
-    #[arg(long, value_enum, default_value = "chat", env = "KVX_BENCH_API", help_heading = "Endpoint")]
+    #[arg(
+        long,
+        value_enum,
+        default_value = "chat",
+        env = "KVX_BENCH_API",
+        help_heading = "Endpoint"
+    )]
     api: ApiArg,
     /// Model name to send (default: the first one `GET /v1/models` lists).
     #[arg(long, env = "KVX_BENCH_MODEL", help_heading = "Endpoint")]
@@ -211,7 +222,8 @@ fn parse_dist(s: &str) -> Result<LengthDist, String> {
 }
 
 fn secs(what: &str, s: f64) -> anyhow::Result<Duration> {
-    Duration::try_from_secs_f64(s).with_context(|| format!("{what}: {s} is not a number of seconds"))
+    Duration::try_from_secs_f64(s)
+        .with_context(|| format!("{what}: {s} is not a number of seconds"))
 }
 
 impl RunArgs {
@@ -225,7 +237,9 @@ impl RunArgs {
         }
         let mut headers = Vec::with_capacity(self.headers.len());
         for h in &self.headers {
-            let Some((k, v)) = h.split_once(':') else { bail!("--header {h:?}: expected NAME: VALUE") };
+            let Some((k, v)) = h.split_once(':') else {
+                bail!("--header {h:?}: expected NAME: VALUE")
+            };
             headers.push((k.trim().to_string(), v.trim().to_string()));
         }
         let endpoint = EndpointConfig {
@@ -331,7 +345,12 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             let b = Report::read_json(&c.b)?;
             print!(
                 "{}",
-                kvx_bench::compare_table(&a, &c.a.display().to_string(), &b, &c.b.display().to_string())
+                kvx_bench::compare_table(
+                    &a,
+                    &c.a.display().to_string(),
+                    &b,
+                    &c.b.display().to_string()
+                )
             );
             Ok(())
         }
@@ -369,7 +388,7 @@ mod tests {
         let mut argv = vec!["kvx", "bench"];
         argv.extend_from_slice(args);
         match Cli::try_parse_from(argv).unwrap().command {
-            Command::Bench(b) => b,
+            Command::Bench(b) => *b,
             #[allow(unreachable_patterns)]
             other => panic!("{other:?}"),
         }
@@ -377,12 +396,22 @@ mod tests {
 
     #[test]
     fn default_run_subcommands_and_sweeps_parse() {
-        let b = bench(&["--url", "http://h:1", "--concurrency", "1,2,8", "--input-tokens", "normal:64,8"]);
+        let b = bench(&[
+            "--url",
+            "http://h:1",
+            "--concurrency",
+            "1,2,8",
+            "--input-tokens",
+            "normal:64,8",
+        ]);
         assert!(b.command.is_none());
         let cfg = b.run.config().unwrap();
         assert_eq!(cfg.load, LoadConfig::Closed { concurrency: vec![1, 2, 8] });
         assert_eq!(cfg.endpoint.url, "http://h:1");
-        assert!(matches!(cfg.workload, WorkloadConfig::Synthetic { input: LengthDist::Normal { .. }, .. }));
+        assert!(matches!(
+            cfg.workload,
+            WorkloadConfig::Synthetic { input: LengthDist::Normal { .. }, .. }
+        ));
 
         let b = bench(&["run", "--request-rate", "5,10", "--duration", "2"]);
         let Some(BenchCommand::Run(r)) = b.command else { panic!() };

@@ -1,0 +1,3 @@
+//! Shared helpers of kvx-bench's end-to-end tests.
+
+pub mod openai_fixture;
