@@ -5,6 +5,7 @@
 
 pub mod block_pool;
 pub mod engine;
+pub mod mocker;
 pub mod output;
 pub mod sampler;
 pub mod scheduler;

@@ -11,7 +11,7 @@ pub mod wire;
 
 pub use events::{KvEvent, KvEventData, StorageTier, StoredBlock};
 pub use hashing::{BlockHasher, LocalBlockHash, SequenceHash, XXH3_SEED};
-pub use load::LoadReport;
+pub use load::{LoadReport, WorkerMetrics};
 pub use request::{
     ErrorClass, FinishReason, GenerateRequest, Logprob, Output, OutputDelta, RequestId,
     SamplingOptions, StopConditions, TopLogprob, Usage,

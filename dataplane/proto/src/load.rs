@@ -35,3 +35,35 @@ impl LoadReport {
         }
     }
 }
+
+/// A worker's counters since it started, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct WorkerMetrics {
+    /// Current load.
+    pub load: LoadReport,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+    /// Prompt (and recomputed) tokens computed.
+    pub prefill_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Steps run.
+    pub steps: u64,
+}
+
+impl WorkerMetrics {
+    /// Cached prompt tokens over prompt tokens.
+    pub fn prefix_hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}

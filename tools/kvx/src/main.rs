@@ -2,6 +2,8 @@
 
 mod cmd;
 mod models;
+#[allow(dead_code)]
+mod plane;
 
 use clap::Parser;
 

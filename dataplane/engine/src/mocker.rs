@@ -1,0 +1,161 @@
+//! The mocker backend: the real scheduler and block pool with a timing model instead of
+//! kernels, for testing and benchmarking everything around the engine (ingress, routers,
+//! planners) without computing a model.
+//!
+//! The timing model is Dynamo's mocker's, so router comparisons are like for like:
+//! a step that prefills `t` uncached tokens takes `4.21e-7·t² + 0.01518·t + 16.5` ms, a step
+//! that decodes at KV usage `p` (fraction of blocks in use) takes `−25.74·p² + 54.01·p + 5.74`
+//! ms; both are divided by `speedup`. Tokens are drawn from a deterministic hash of the
+//! position so runs are reproducible; end-of-generation ids can be avoided so requests run
+//! to `max_tokens`.
+
+use std::time::{Duration, Instant};
+
+use kvx_kernels::model::{AttnMode, SeqChunk};
+
+use crate::EngineError;
+use crate::engine::Backend;
+
+/// Mocker settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MockConfig {
+    /// Vocabulary size (a small one for tokenizer-free runs, the model's to pair with its
+    /// tokenizer).
+    pub n_vocab: usize,
+    /// KV blocks.
+    pub n_blocks: usize,
+    /// Time is divided by this (use a large value for a near-zero-latency engine).
+    pub speedup: f64,
+    /// Token ids the mocker never emits (e.g. end-of-generation ids).
+    pub avoid: Vec<u32>,
+}
+
+/// The mocker backend.
+#[derive(Debug)]
+pub struct MockBackend {
+    cfg: MockConfig,
+    clock: Option<Instant>,
+}
+
+impl MockBackend {
+    /// A mocker.
+    pub fn new(cfg: MockConfig) -> Self {
+        MockBackend { cfg, clock: None }
+    }
+
+    /// Simulated duration of a step (before the speedup).
+    pub fn step_ms(prefill_tokens: usize, kv_usage: f64, decodes: bool) -> f64 {
+        let t = prefill_tokens as f64;
+        let prefill = if prefill_tokens > 0 { 4.21e-7 * t * t + 0.01518 * t + 16.5 } else { 0.0 };
+        let p = kv_usage.clamp(0.0, 1.0);
+        let decode = if decodes { -25.74 * p * p + 54.01 * p + 5.74 } else { 0.0 };
+        prefill + decode
+    }
+
+    fn token(&self, pos: usize, seed: u32) -> u32 {
+        let n = self.cfg.n_vocab.max(1) as u64;
+        let mut h = (pos as u64 ^ (u64::from(seed) << 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        loop {
+            h ^= h >> 29;
+            let t = (h % n) as u32;
+            if !self.cfg.avoid.contains(&t) || self.cfg.avoid.len() as u64 >= n {
+                return t;
+            }
+            h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9).wrapping_add(1);
+        }
+    }
+}
+
+impl Backend for MockBackend {
+    fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
+        let mut prefill = 0;
+        let mut decodes = false;
+        let mut blocks = 0;
+        for c in chunks {
+            match c.mode {
+                AttnMode::Prefill => prefill += c.tokens.len(),
+                AttnMode::Decode if c.tokens.len() > 1 => prefill += c.tokens.len(),
+                AttnMode::Decode => decodes = true,
+            }
+            if c.logits {
+                blocks += c.block_table.len();
+            }
+        }
+        let usage = blocks as f64 / self.cfg.n_blocks.max(1) as f64;
+        let ms = Self::step_ms(prefill, usage, decodes) / self.cfg.speedup.max(1e-9);
+        let v = self.cfg.n_vocab;
+        let mut row = 0;
+        for c in chunks.iter().filter(|c| c.logits) {
+            let out = logits
+                .get_mut(row * v..(row + 1) * v)
+                .ok_or_else(|| EngineError::Internal("logits buffer too small".into()))?;
+            out.fill(0.0);
+            let pos = c.start_pos + c.tokens.len();
+            let seed = c.tokens.first().copied().unwrap_or(0);
+            out[self.token(pos, seed) as usize] = 1.0;
+            row += 1;
+        }
+        // Wait out the simulated step, measured from the end of the previous one so that
+        // engine overhead is part of the budget rather than added to it.
+        let now = Instant::now();
+        let start =
+            self.clock.filter(|&c| c <= now && now - c < Duration::from_millis(2)).unwrap_or(now);
+        let until = start + Duration::from_secs_f64(ms / 1e3);
+        sleep_until(until);
+        self.clock = Some(until.max(Instant::now()));
+        Ok(())
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.cfg.n_vocab
+    }
+
+    fn n_blocks(&self) -> usize {
+        self.cfg.n_blocks
+    }
+}
+
+fn sleep_until(t: Instant) {
+    loop {
+        let now = Instant::now();
+        if now >= t {
+            return;
+        }
+        let left = t - now;
+        if left > Duration::from_micros(300) {
+            std::thread::sleep(left - Duration::from_micros(200));
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_model_matches_dynamo_formulas() {
+        assert!(
+            (MockBackend::step_ms(100, 0.0, false) - (4.21e-7 * 1e4 + 1.518 + 16.5)).abs() < 1e-9
+        );
+        assert!(
+            (MockBackend::step_ms(0, 0.5, true) - (-25.74 * 0.25 + 27.005 + 5.74)).abs() < 1e-9
+        );
+        assert_eq!(MockBackend::step_ms(0, 0.3, false), 0.0);
+    }
+
+    #[test]
+    fn avoided_tokens_are_never_emitted() {
+        let m = MockBackend::new(MockConfig {
+            n_vocab: 4,
+            n_blocks: 8,
+            speedup: 1e9,
+            avoid: vec![0, 2],
+        });
+        for pos in 0..1000 {
+            let t = m.token(pos, 7);
+            assert!(t == 1 || t == 3);
+        }
+    }
+}
