@@ -84,8 +84,7 @@ impl Backend for MockBackend {
         let usage = blocks as f64 / self.cfg.n_blocks.max(1) as f64;
         let ms = Self::step_ms(prefill, usage, decodes) / self.cfg.speedup.max(1e-9);
         let v = self.cfg.n_vocab;
-        let mut row = 0;
-        for c in chunks.iter().filter(|c| c.logits) {
+        for (row, c) in chunks.iter().filter(|c| c.logits).enumerate() {
             let out = logits
                 .get_mut(row * v..(row + 1) * v)
                 .ok_or_else(|| EngineError::Internal("logits buffer too small".into()))?;
@@ -93,7 +92,6 @@ impl Backend for MockBackend {
             let pos = c.start_pos + c.tokens.len();
             let seed = c.tokens.first().copied().unwrap_or(0);
             out[self.token(pos, seed) as usize] = 1.0;
-            row += 1;
         }
         // Wait out the simulated step, measured from the end of the previous one so that
         // engine overhead is part of the budget rather than added to it.
