@@ -3,9 +3,8 @@
 //!
 //! Needs `KVX_TEST_MODEL` (the default model; `cargo xtask test` exports it).
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::System;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvx_engine::scheduler::SchedulerConfig;
 use kvx_engine::{Engine, EngineConfig, ModelBackend};
@@ -14,36 +13,10 @@ use kvx_kernels::gguf::GgufFile;
 use kvx_kernels::model::LlamaModel;
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
-
-/// Counts allocations while `COUNTING` is set.
-struct Counting;
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 fn model() -> Arc<LlamaModel> {
     let path = std::env::var_os("KVX_TEST_MODEL").expect(
@@ -125,13 +98,16 @@ fn steady_state_steps_allocate_nothing() {
         e.step().expect("step");
         e.drain_block_events(|_| {});
     }
-    ALLOCS.store(0, Ordering::Relaxed);
-    COUNTING.store(true, Ordering::Relaxed);
+    let region = Region::new(GLOBAL);
     for _ in 0..40 {
         let out = e.step().expect("step");
         assert_eq!(out.events.len(), 8);
         e.drain_block_events(|_| {});
     }
-    COUNTING.store(false, Ordering::Relaxed);
-    assert_eq!(ALLOCS.load(Ordering::Relaxed), 0, "the step loop allocated");
+    let stats = region.change();
+    assert_eq!(
+        (stats.allocations, stats.reallocations),
+        (0, 0),
+        "the step loop allocated: {stats:?}"
+    );
 }

@@ -136,6 +136,7 @@ struct Job {
     text: String,
     submitted: Instant,
     first: Option<Instant>,
+    done: Option<Instant>,
     finish: Option<(FinishReason, Usage)>,
 }
 
@@ -200,6 +201,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
                 text: String::new(),
                 submitted: Instant::now(),
                 first: None,
+                done: None,
                 finish: None,
             });
             next += 1;
@@ -221,6 +223,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
             }
             if let Some(reason) = ev.finish {
                 job.finish = Some((reason, ev.usage));
+                job.done = Some(Instant::now());
                 by_id.remove(&ev.id);
                 done += 1;
                 if !single {
@@ -277,6 +280,7 @@ fn print_job_json(job: &Job, batch: bool) -> Result<()> {
         v["index"] = job.index.into();
         v["cached_tokens"] = usage.cached_tokens.into();
         v["ttft_ms"] = job.first.map_or(0.0, |f| (f - job.submitted).as_secs_f64() * 1e3).into();
+        v["e2e_ms"] = job.done.map_or(0.0, |d| (d - job.submitted).as_secs_f64() * 1e3).into();
     }
     println!("{v}");
     Ok(())
