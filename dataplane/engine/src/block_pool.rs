@@ -56,6 +56,8 @@ pub struct PoolStats {
 pub struct BlockPool {
     refcnt: Vec<u32>,
     hash: Vec<Option<SequenceHash>>,
+    local: Vec<LocalBlockHash>,
+    parent: Vec<Option<SequenceHash>>,
     prev: Vec<u32>,
     next: Vec<u32>,
     lru_head: u32,
@@ -74,6 +76,8 @@ impl BlockPool {
         BlockPool {
             refcnt: vec![0; n],
             hash: vec![None; n],
+            local: vec![LocalBlockHash(0); n],
+            parent: vec![None; n],
             prev: vec![NIL; n],
             next: vec![NIL; n],
             lru_head: NIL,
@@ -164,6 +168,8 @@ impl BlockPool {
         }
         self.cache.insert(seq_hash, b);
         self.hash[b as usize] = Some(seq_hash);
+        self.local[b as usize] = local_hash;
+        self.parent[b as usize] = parent;
         self.events.push(BlockEvent::Stored { seq_hash, local_hash, parent });
         true
     }
@@ -208,9 +214,29 @@ impl BlockPool {
         }
     }
 
-    /// Every registered block's hash (for a resync snapshot).
-    pub fn registered(&self) -> impl Iterator<Item = SequenceHash> + '_ {
-        self.cache.keys().copied()
+    /// Every registered block as (parent, sequence hash, local hash), parents before their
+    /// children (for a resync snapshot).
+    pub fn snapshot(&self) -> Vec<(Option<SequenceHash>, SequenceHash, LocalBlockHash)> {
+        let mut out: Vec<_> = self
+            .cache
+            .values()
+            .map(|&b| (self.parent[b as usize], self.hash[b as usize], self.local[b as usize]))
+            .filter_map(|(p, h, l)| Some((p, h?, l)))
+            .collect();
+        // Order by chain depth so that every parent precedes its children.
+        let depth_of = |mut h: Option<SequenceHash>| {
+            let mut d = 0usize;
+            while let Some(x) = h {
+                d += 1;
+                h = self.cache.get(&x).and_then(|&b| self.parent[b as usize]);
+                if d > self.capacity() {
+                    break;
+                }
+            }
+            d
+        };
+        out.sort_by_cached_key(|&(p, _, _)| depth_of(p));
+        out
     }
 
     fn lru_push_back(&mut self, b: BlockId) {

@@ -7,5 +7,6 @@
 pub mod shard;
 
 pub use shard::{
-    Command, OutputSender, ShardConfig, ShardHandle, ShardStatus, SubmitError, pin_current, spawn,
+    Command, OutputSender, ShardConfig, ShardEvent, ShardHandle, ShardStatus, SubmitError,
+    pin_current, spawn,
 };

@@ -23,6 +23,27 @@ use tokio::sync::mpsc::UnboundedSender;
 /// Where a request's outputs go.
 pub type OutputSender = UnboundedSender<Output>;
 
+/// What a shard tells the router side, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ShardEvent {
+    /// A KV event of the shard's block pool.
+    Kv(KvEvent),
+    /// A request produced its first token (its prefill is done).
+    FirstToken(RequestId),
+    /// A request ended (finished, failed or cancelled).
+    Finished(RequestId),
+    /// Every cached block, answering [`Command::Snapshot`]: `(parent, block)`, parents first;
+    /// `last_event_id` is the id of the last KV event sent before it.
+    Snapshot {
+        /// The worker.
+        worker_id: u64,
+        /// Events up to this id are reflected in the snapshot.
+        last_event_id: u64,
+        /// The blocks.
+        blocks: Vec<(Option<kvx_proto::SequenceHash>, StoredBlock)>,
+    },
+}
+
 /// A message to a shard.
 #[derive(Debug)]
 pub enum Command {
@@ -30,6 +51,8 @@ pub enum Command {
     Add(Box<GenerateRequest>, OutputSender),
     /// Cancel a request.
     Cancel(RequestId),
+    /// Send a [`ShardEvent::Snapshot`] of the cached blocks (after lost events).
+    Snapshot,
     /// Stop accepting work; finish what runs until the deadline, then cancel it.
     Shutdown(Duration),
 }
@@ -96,6 +119,11 @@ impl ShardHandle {
         let _ = self.tx.try_send(Command::Cancel(id));
     }
 
+    /// Sends a command without blocking (dropped when the inbox is full).
+    pub fn send(&self, cmd: Command) {
+        let _ = self.tx.try_send(cmd);
+    }
+
     /// The latest status.
     pub fn status(&self) -> ShardStatus {
         *self.status.lock().unwrap_or_else(|p| p.into_inner())
@@ -104,6 +132,11 @@ impl ShardHandle {
     /// Whether the shard thread is still running.
     pub fn is_alive(&self) -> bool {
         self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Asks the shard to stop (as [`ShardHandle::shutdown`]) without waiting.
+    pub fn begin_shutdown(&self, grace: Duration) {
+        let _ = self.tx.send(Command::Shutdown(grace));
     }
 
     /// Stops the shard: running requests get until `grace` to finish, then are cancelled.
@@ -131,12 +164,12 @@ pub fn pin_current(core: usize) -> bool {
 }
 
 /// Starts a shard. `make_engine` runs on the shard thread (after pinning), so the engine's
-/// memory is first touched there. `events` receives the shard's KV events (dropped when full:
-/// the router detects the gap and resyncs).
+/// memory is first touched there. `events` receives the shard's [`ShardEvent`]s (KV events
+/// are dropped when it is full: the router sees the id gap and asks for a snapshot).
 pub fn spawn(
     cfg: ShardConfig,
     make_engine: impl FnOnce() -> Result<Engine, EngineError> + Send + 'static,
-    events: Option<SyncSender<KvEvent>>,
+    events: Option<SyncSender<ShardEvent>>,
 ) -> Result<ShardHandle, EngineError> {
     let (tx, rx) = mpsc::sync_channel(cfg.inbox_capacity.max(1));
     let status = Arc::new(Mutex::new(ShardStatus::default()));
@@ -177,7 +210,7 @@ struct Loop {
     engine: Engine,
     sinks: HashMap<RequestId, OutputSender>,
     status: Arc<Mutex<ShardStatus>>,
-    events: Option<SyncSender<KvEvent>>,
+    events: Option<SyncSender<ShardEvent>>,
     next_event: u64,
     worker_id: u64,
     draining: Option<Instant>,
@@ -187,7 +220,7 @@ fn run(
     engine: Engine,
     rx: Receiver<Command>,
     status: Arc<Mutex<ShardStatus>>,
-    events: Option<SyncSender<KvEvent>>,
+    events: Option<SyncSender<ShardEvent>>,
 ) {
     let worker_id = engine.config().worker_id;
     let mut l = Loop {
@@ -230,6 +263,7 @@ fn run(
                 Command::Cancel(id) => {
                     l.engine.cancel(id);
                 }
+                Command::Snapshot => l.send_snapshot(),
                 Command::Shutdown(grace) => {
                     l.draining = Some(Instant::now() + grace);
                     inbox_open = false;
@@ -306,6 +340,9 @@ impl Loop {
         for ev in &out.events {
             let Some(sink) = self.sinks.get(&ev.id) else { continue };
             let mut ok = true;
+            if ev.token.is_some() && ev.usage.completion_tokens == 1 {
+                notify(&self.events, ShardEvent::FirstToken(ev.id));
+            }
             if let Some(t) = ev.token {
                 let logprobs = if ev.top.is_empty() {
                     Vec::new()
@@ -322,6 +359,7 @@ impl Loop {
             if let Some(reason) = ev.finish {
                 let _ = sink.send(Output::Finished { reason, usage: ev.usage });
                 self.sinks.remove(&ev.id);
+                notify(&self.events, ShardEvent::Finished(ev.id));
             } else if !ok {
                 gone.push(ev.id);
             }
@@ -332,6 +370,7 @@ impl Loop {
         for id in gone {
             self.sinks.remove(&id);
             self.engine.cancel(id);
+            self.notify(ShardEvent::Finished(id));
         }
         self.publish_events();
     }
@@ -356,7 +395,30 @@ impl Loop {
             let ev = KvEvent { worker_id, event_id: *next, tier: StorageTier::Device, data };
             *next += 1;
             // A full queue drops the event; the consumer sees the id gap and resyncs.
-            let _ = tx.try_send(ev);
+            let _ = tx.try_send(ShardEvent::Kv(ev));
+        });
+    }
+
+    /// Lifecycle notes must not be lost (the router's load accounting depends on them), so
+    /// they block when the queue is full.
+    fn notify(&self, e: ShardEvent) {
+        notify(&self.events, e);
+    }
+
+    fn send_snapshot(&mut self) {
+        self.publish_events();
+        let blocks = self
+            .engine
+            .scheduler()
+            .pool()
+            .snapshot()
+            .into_iter()
+            .map(|(parent, seq_hash, local_hash)| (parent, StoredBlock { seq_hash, local_hash }))
+            .collect();
+        self.notify(ShardEvent::Snapshot {
+            worker_id: self.worker_id,
+            last_event_id: self.next_event - 1,
+            blocks,
         });
     }
 
@@ -367,5 +429,12 @@ impl Loop {
             requests: self.sinks.len(),
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = s;
+    }
+}
+
+/// Sends a lifecycle note, blocking when the queue is full (notes must not be lost).
+fn notify(events: &Option<SyncSender<ShardEvent>>, e: ShardEvent) {
+    if let Some(tx) = events {
+        let _ = tx.send(e);
     }
 }

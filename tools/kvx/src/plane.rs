@@ -1,67 +1,199 @@
-//! The in-process serving plane: the shards of this process behind a [`Dispatcher`], with
-//! worker selection by the router mode.
+//! The in-process serving plane: this process's shards behind a [`Dispatcher`], with the
+//! KV-aware router choosing the shard for each request.
+//!
+//! Shards publish [`ShardEvent`]s (KV events, first token, finished, snapshots) on one
+//! bounded channel; a feed thread applies them to the router. A KV event id gap (a dropped
+//! event) makes the router ask the shard for a snapshot of its cached blocks.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
-use kvx_proto::{GenerateRequest, Output, RequestId, WorkerMetrics};
-use kvx_worker::{ShardHandle, SubmitError};
+use kvx_proto::hashing::{BlockHasher, seed_for};
+use kvx_proto::{GenerateRequest, Output, RequestId, StorageTier, WorkerMetrics};
+use kvx_router::{ApplyResult, RequestBlocks, Router, RouterConfig, SnapshotBlock};
+use kvx_worker::{Command, ShardEvent, ShardHandle, SubmitError};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-/// Local shards as one dispatcher.
-#[derive(Debug)]
-pub(crate) struct LocalPlane {
+/// Shard `i` is worker `i + 1`.
+pub(crate) fn worker_id(shard: usize) -> u64 {
+    shard as u64 + 1
+}
+
+struct Shared {
     shards: Vec<ShardHandle>,
-    next: AtomicUsize,
+    router: Mutex<Router>,
+    block_size: usize,
+    start: Instant,
+    stop: AtomicBool,
+}
+
+/// Local shards as one dispatcher.
+pub(crate) struct LocalPlane {
+    shared: Arc<Shared>,
+    feed: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for LocalPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalPlane").field("shards", &self.shared.shards.len()).finish()
+    }
 }
 
 impl LocalPlane {
-    pub(crate) fn new(shards: Vec<ShardHandle>) -> Self {
-        LocalPlane { shards, next: AtomicUsize::new(0) }
+    /// `events` is the receiving end of the channel the shards were spawned with.
+    pub(crate) fn new(
+        shards: Vec<ShardHandle>,
+        cfg: RouterConfig,
+        events: Receiver<ShardEvent>,
+    ) -> anyhow::Result<Self> {
+        let mut router =
+            Router::new(cfg.clone()).map_err(|e| anyhow::anyhow!("router configuration: {e}"))?;
+        for i in 0..shards.len() {
+            router.add_worker(worker_id(i));
+        }
+        let shared = Arc::new(Shared {
+            shards,
+            router: Mutex::new(router),
+            block_size: cfg.block_size as usize,
+            start: Instant::now(),
+            stop: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        let feed = std::thread::Builder::new()
+            .name("kvx-router-feed".into())
+            .spawn(move || feed(&s, &events))?;
+        Ok(LocalPlane { shared, feed: Some(feed) })
     }
 
-    /// Stops every shard, giving running requests `grace` to finish.
-    #[allow(dead_code)]
-    pub(crate) fn shutdown(self, grace: std::time::Duration) {
-        for s in self.shards {
-            s.shutdown(grace);
+    /// Stops every shard, giving running requests `grace` to finish, and waits for them.
+    pub(crate) fn shutdown(&self, grace: Duration) {
+        for s in &self.shared.shards {
+            s.begin_shutdown(grace);
+        }
+        let deadline = Instant::now() + grace + Duration::from_secs(5);
+        while self.shared.shards.iter().any(ShardHandle::is_alive) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
-    /// Shards in preference order for a new request: least loaded first (running plus
-    /// queued requests), ties broken round-robin.
-    fn order(&self) -> Vec<usize> {
-        let n = self.shards.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % n.max(1);
-        let mut idx: Vec<(u64, usize)> = (0..n)
-            .map(|k| {
-                let i = (start + k) % n;
-                let st = self.shards[i].status();
-                (st.requests as u64 * 1000 + u64::from(st.load.active_blocks), i)
-            })
-            .collect();
-        idx.sort_by_key(|&(load, _)| load);
-        idx.into_iter().map(|(_, i)| i).collect()
+    fn router(&self) -> std::sync::MutexGuard<'_, Router> {
+        self.shared.router.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Applies shard events to the router until the plane stops.
+fn feed(s: &Shared, events: &Receiver<ShardEvent>) {
+    let mut last_maintenance = Instant::now();
+    while !s.stop.load(Ordering::Relaxed) {
+        let first = match events.recv_timeout(Duration::from_millis(50)) {
+            Ok(e) => Some(e),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let mut resync = Vec::new();
+        {
+            let mut r = s.router.lock().unwrap_or_else(|p| p.into_inner());
+            for e in first.into_iter().chain(events.try_iter().take(4096)) {
+                match e {
+                    ShardEvent::Kv(ev) => {
+                        if let ApplyResult::Gap { worker, .. } = r.apply_event(&ev) {
+                            resync.push(worker);
+                        }
+                    }
+                    ShardEvent::FirstToken(id) => {
+                        r.mark_prefill_done(id);
+                    }
+                    ShardEvent::Finished(id) => {
+                        r.free(id);
+                    }
+                    ShardEvent::Snapshot { worker_id, last_event_id, blocks } => {
+                        let blocks: Vec<SnapshotBlock> = blocks
+                            .into_iter()
+                            .map(|(parent, block)| SnapshotBlock {
+                                tier: StorageTier::Device,
+                                parent,
+                                block,
+                            })
+                            .collect();
+                        if let Err(e) = r.resync(worker_id, last_event_id, &blocks) {
+                            tracing::warn!(worker = worker_id, error = %e, "resync failed");
+                        }
+                    }
+                }
+            }
+            if last_maintenance.elapsed() > Duration::from_secs(1) {
+                last_maintenance = Instant::now();
+                for sh in &s.shards {
+                    r.apply_load(&sh.status().load);
+                }
+                r.expire(s.start.elapsed());
+                resync.extend(r.workers_needing_resync());
+            }
+        }
+        resync.sort_unstable();
+        resync.dedup();
+        for w in resync {
+            if let Some(sh) = s.shards.get((w as usize).wrapping_sub(1)) {
+                sh.send(Command::Snapshot);
+            }
+        }
     }
 }
 
 impl Dispatcher for LocalPlane {
     fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Output>, DispatchError> {
+        let s = &self.shared;
+        let seed = seed_for(req.salt.as_deref(), None);
+        let blocks = RequestBlocks::from_hashes(
+            req.prompt.len() as u64,
+            &BlockHasher::hash_all(s.block_size, seed, &req.prompt),
+        );
+        let now = s.start.elapsed();
+        let id = req.id;
+        let t0 = Instant::now();
+        let first = {
+            let mut r = self.router();
+            let d = r.route(id, &blocks, now);
+            r.record_decision_latency(t0.elapsed());
+            d
+        };
+        let first = first.map_err(|e| DispatchError::Unavailable(e.to_string()))?;
         let mut req = Some(req);
+        // The router's choice, then the others by current load.
+        let mut order: Vec<usize> = (0..s.shards.len()).collect();
+        order.sort_by_key(|&i| {
+            let st = s.shards[i].status();
+            (
+                worker_id(i) != first.worker,
+                st.requests as u64 * 1000 + u64::from(st.load.active_blocks),
+            )
+        });
         let mut any_alive = false;
-        for i in self.order() {
-            let shard = &self.shards[i];
+        for i in order {
+            let shard = &s.shards[i];
             if !shard.is_alive() {
                 continue;
             }
             any_alive = true;
-            let (tx, rx) = unbounded_channel();
             let Some(r) = req.take() else { break };
+            let (tx, rx) = unbounded_channel();
             match shard.submit(r.clone(), tx) {
-                Ok(()) => return Ok(rx),
+                Ok(()) => {
+                    if worker_id(i) != first.worker {
+                        let mut router = self.router();
+                        router.free(id);
+                        let _ = router.add_request(id, worker_id(i), &blocks, 0, now);
+                    }
+                    return Ok(rx);
+                }
                 Err(SubmitError::Full | SubmitError::Closed) => req = Some(r),
             }
         }
+        self.router().free(id);
         if any_alive {
             Err(DispatchError::Overloaded("every worker's queue is full".into()))
         } else {
@@ -70,22 +202,24 @@ impl Dispatcher for LocalPlane {
     }
 
     fn cancel(&self, id: RequestId) {
-        for s in &self.shards {
+        for s in &self.shared.shards {
             s.cancel(id);
         }
     }
 
     fn ready(&self) -> bool {
-        self.shards.iter().any(ShardHandle::is_alive)
+        self.shared.shards.iter().any(ShardHandle::is_alive)
     }
 
     fn workers(&self) -> Vec<WorkerState> {
-        self.shards
+        self.shared
+            .shards
             .iter()
-            .map(|s| {
+            .enumerate()
+            .map(|(i, s)| {
                 let st = s.status();
                 WorkerState {
-                    id: st.load.worker_id,
+                    id: worker_id(i),
                     alive: s.is_alive(),
                     metrics: WorkerMetrics {
                         load: st.load,
@@ -100,5 +234,35 @@ impl Dispatcher for LocalPlane {
                 }
             })
             .collect()
+    }
+
+    fn router_metrics(&self) -> Vec<(&'static str, f64)> {
+        let r = self.router();
+        let m = r.metrics();
+        let idx = r.index_stats();
+        vec![
+            ("router_decisions_total", m.decisions as f64),
+            ("router_hit_rate", m.hit_rate()),
+            ("router_overlap_blocks_per_decision", m.overlap_per_decision()),
+            ("router_index_blocks", idx.blocks as f64),
+            ("router_index_nodes", idx.nodes as f64),
+            (
+                "router_decision_latency_p50_us",
+                m.decision_latency.quantile_upper_us(0.5).unwrap_or(0) as f64,
+            ),
+            (
+                "router_decision_latency_p99_us",
+                m.decision_latency.quantile_upper_us(0.99).unwrap_or(0) as f64,
+            ),
+        ]
+    }
+}
+
+impl Drop for LocalPlane {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(f) = self.feed.take() {
+            let _ = f.join();
+        }
     }
 }
