@@ -1,14 +1,20 @@
 //! A fork-join thread pool for the intra-op threads of one shard.
 //!
-//! `run(job)` executes `job(thread_index, n_threads)` on every thread of the pool (the caller
-//! is thread 0) and returns when all are done. It allocates nothing per call: the job is
-//! passed by reference, workers wake on an epoch counter (spinning briefly, then parking), and
-//! completion is a countdown. One dispatcher at a time (a mutex serializes `run`).
+//! `run(job)` executes `job(share, n_threads)` once for every share `0..n_threads` and returns
+//! when all are done. Worker `i` runs share `i` when it wakes in time; the caller runs share 0
+//! and then every share whose worker has not claimed it yet. So a worker that the OS has
+//! descheduled (a busy machine) delays nothing: its share is done by the caller instead of
+//! waited for. It allocates nothing per call: the job is passed by reference, workers wake on
+//! an epoch counter (spinning briefly, then parking). One dispatcher at a time (a mutex
+//! serializes `run`).
 //!
 //! # Safety
-//! The job reference is lifetime-erased while workers run it. This is sound because `run`
-//! does not return (even when a job panics) until every worker has finished with it: the
-//! `remaining` countdown reaches zero only after each worker's last use of the reference.
+//! The job reference is lifetime-erased while workers may use it. A worker reads and calls it
+//! only between incrementing `active` and decrementing it again, and only when it saw `open`
+//! set after that increment. `run` clears `open` once every share is done and then waits for
+//! `active` to reach zero before returning (also when a job panics), so no worker uses the
+//! reference after `run` returns. The job cell is written only while `open` is clear and no
+//! worker is active.
 
 use std::cell::UnsafeCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -26,7 +32,14 @@ struct Shared {
     n_threads: usize,
     epoch: AtomicU64,
     job: UnsafeCell<Option<Job<'static>>>,
-    remaining: AtomicUsize,
+    /// Set while the current job may be called.
+    open: AtomicBool,
+    /// Workers between checking `open` and leaving the job.
+    active: AtomicUsize,
+    /// Bit `i`: share `i` of the current run was claimed.
+    claimed: AtomicU64,
+    /// Shares of the current run that finished.
+    done: AtomicUsize,
     sleepers: AtomicUsize,
     sleep_lock: Mutex<()>,
     wake: Condvar,
@@ -34,9 +47,8 @@ struct Shared {
     panicked: AtomicBool,
 }
 
-// SAFETY: `job` is written only by the dispatcher while no worker reads it (before the epoch
-// is bumped, with all workers idle) and read by workers only between the epoch bump (Acquire)
-// and their `remaining` decrement; see the module docs.
+// SAFETY: `job` is written only by the dispatcher while `open` is clear and no worker is
+// active, and read by workers only while active with `open` seen set; see the module docs.
 unsafe impl Sync for Shared {}
 
 /// A pool of `n_threads - 1` workers plus the calling thread.
@@ -53,7 +65,7 @@ impl std::fmt::Debug for ThreadPool {
 }
 
 impl ThreadPool {
-    /// A pool with `n_threads` threads in all (at least 1).
+    /// A pool with `n_threads` threads in all (at least 1, at most 64).
     pub fn new(n_threads: usize) -> std::io::Result<Self> {
         Self::with_start_hook(n_threads, |_| {})
     }
@@ -64,12 +76,15 @@ impl ThreadPool {
         n_threads: usize,
         hook: impl Fn(usize) + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
-        let n_threads = n_threads.max(1);
+        let n_threads = n_threads.clamp(1, 64);
         let shared = Arc::new(Shared {
             n_threads,
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
-            remaining: AtomicUsize::new(0),
+            open: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            claimed: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -103,44 +118,63 @@ impl ThreadPool {
         self.shared.n_threads
     }
 
-    /// Runs `job(i, n)` on every thread `i` in `0..n` and waits for all. A panic in any
-    /// thread is re-raised here after every thread has finished.
+    /// Runs `job(i, n)` for every share `i` in `0..n` (`n` = the pool's threads) and waits
+    /// for all. A panic in any share is re-raised here after every share has finished.
     pub fn run(&self, job: &(dyn Fn(usize, usize) + Sync)) {
         let s = &*self.shared;
-        if s.n_threads == 1 {
+        let n = s.n_threads;
+        if n == 1 {
             job(0, 1);
             return;
         }
         let _guard = self.dispatch.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: erasing the lifetime is sound because this function waits below until no
-        // worker uses the reference any more (module docs).
+        // SAFETY: erasing the lifetime is sound because this function does not return while
+        // a worker may still use the reference (module docs).
         let erased: Job<'static> = unsafe { std::mem::transmute::<Job<'_>, Job<'static>>(job) };
-        // SAFETY: all workers are idle (the previous run ended with remaining == 0), so no one
-        // reads `job` while it is written.
+        // SAFETY: `open` is clear and no worker is active (the previous run waited for that),
+        // so nobody reads the cell while it is written.
         unsafe { *s.job.get() = Some(erased) };
-        s.remaining.store(s.n_threads - 1, Ordering::Relaxed);
+        s.claimed.store(0, Ordering::SeqCst);
+        s.done.store(0, Ordering::SeqCst);
+        s.open.store(true, Ordering::SeqCst);
         s.epoch.fetch_add(1, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
-        let mine = catch_unwind(AssertUnwindSafe(|| job(0, s.n_threads)));
-        let mut spins = 0u32;
-        while s.remaining.load(Ordering::Acquire) != 0 {
-            spins += 1;
-            if spins < 1 << 14 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+        // Share 0, then every share no worker has claimed yet.
+        let mut panic = None;
+        for i in 0..n {
+            if s.claimed.fetch_or(1 << i, Ordering::SeqCst) & (1 << i) == 0 {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| job(i, n))) {
+                    panic.get_or_insert(p);
+                }
+                s.done.fetch_add(1, Ordering::SeqCst);
             }
         }
-        // SAFETY: every worker is done with the job (remaining == 0).
+        wait_for(|| s.done.load(Ordering::SeqCst) == n);
+        s.open.store(false, Ordering::SeqCst);
+        wait_for(|| s.active.load(Ordering::SeqCst) == 0);
+        // SAFETY: `open` is clear and no worker is active.
         unsafe { *s.job.get() = None };
-        if let Err(p) = mine {
+        if let Some(p) = panic {
             std::panic::resume_unwind(p);
         }
         if s.panicked.swap(false, Ordering::Relaxed) {
             panic!("a kernel thread panicked");
+        }
+    }
+}
+
+/// Spins briefly, then yields, until `done()`.
+fn wait_for(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins < 1 << 12 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }
@@ -172,14 +206,20 @@ fn worker_loop(s: &Shared, index: usize) {
             drop(g);
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
-        // SAFETY: the epoch moved, so the dispatcher has published a job and waits for us.
-        let job = unsafe { *s.job.get() };
-        if let Some(job) = job
-            && catch_unwind(AssertUnwindSafe(|| job(index, s.n_threads))).is_err()
-        {
-            s.panicked.store(true, Ordering::Relaxed);
+        s.active.fetch_add(1, Ordering::SeqCst);
+        let bit = 1u64 << index;
+        if s.open.load(Ordering::SeqCst) && s.claimed.fetch_or(bit, Ordering::SeqCst) & bit == 0 {
+            // SAFETY: this worker is active and saw `open` set afterwards, so the dispatcher
+            // keeps the job alive until it leaves (module docs).
+            let job = unsafe { *s.job.get() };
+            if let Some(job) = job
+                && catch_unwind(AssertUnwindSafe(|| job(index, s.n_threads))).is_err()
+            {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+            s.done.fetch_add(1, Ordering::SeqCst);
         }
-        s.remaining.fetch_sub(1, Ordering::Release);
+        s.active.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -226,6 +266,26 @@ mod tests {
             for h in &hits {
                 assert_eq!(h.load(Ordering::Relaxed), 1000);
             }
+        }
+    }
+
+    #[test]
+    fn shares_of_absent_workers_are_run_by_the_caller() {
+        // Workers that never get a core (simulated by a pool whose workers are blocked in
+        // their start hook) must not stall `run`: the caller runs their shares.
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
+        let g = gate.clone();
+        let pool = ThreadPool::with_start_hook(4, move |_| drop(g.lock())).unwrap();
+        let hits: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
+        for _ in 0..100 {
+            pool.run(&|i, _| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        drop(held);
+        for h in &hits {
+            assert_eq!(h.load(Ordering::Relaxed), 100, "every share ran exactly once per run");
         }
     }
 

@@ -1,0 +1,112 @@
+//! `kvx bench engine`: prompt processing and token generation speed of the engine itself,
+//! measured like llama.cpp's `llama-bench` (pp: one batch of N prompt tokens; tg: N tokens
+//! generated one at a time), repeated, with the median reported.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kvx_kernels::par::ThreadPool;
+use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
+
+use super::Runtime;
+use super::engine::EngineOpts;
+
+#[derive(Debug, Args)]
+pub(crate) struct EngineBenchArgs {
+    /// Prompt tokens per prompt-processing test (0 skips it).
+    #[arg(long, default_value_t = 512)]
+    pp: usize,
+    /// Tokens per generation test (0 skips it).
+    #[arg(long, default_value_t = 128)]
+    tg: usize,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineOpts,
+}
+
+pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
+    let loaded = args.engine.load(rt)?;
+    let mut opts = args.engine.clone();
+    opts.max_batched_tokens = opts.max_batched_tokens.max(args.pp.max(1));
+    opts.max_num_seqs = 1;
+    let threads = super::engine::threads_per_engine(&opts, rt.cores, 1);
+    let kernels = rt.kernels()?;
+    let n_vocab = loaded.model.cfg.n_vocab as u32;
+    // Random-looking prompt tokens, as llama-bench uses.
+    let token = |i: usize| 100 + ((i as u64 * 2_654_435_761) % u64::from(n_vocab - 200)) as u32;
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    let mut id = 0u64;
+    let mut run_one = |prompt: Vec<u32>, max_tokens: u32| -> Result<(f64, f64)> {
+        // A fresh engine per test: nothing cached, like a new llama.cpp context.
+        let pool = ThreadPool::new(threads).context("starting kernel threads")?;
+        let mut engine = opts.engine(&loaded, kernels, pool, 1, 0)?;
+        id += 1;
+        let req = GenerateRequest {
+            id: RequestId(id),
+            prompt,
+            sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
+            stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
+            logprobs: None,
+            salt: None,
+        };
+        engine.add(&req)?;
+        let start = Instant::now();
+        let mut first = None;
+        loop {
+            let out = engine.step()?;
+            if first.is_none() && out.events.iter().any(|e| e.token.is_some()) {
+                first = Some(start.elapsed().as_secs_f64());
+            }
+            if out.events.iter().any(|e| e.finish.is_some()) {
+                break;
+            }
+        }
+        Ok((first.unwrap_or(0.0), start.elapsed().as_secs_f64()))
+    };
+    for _ in 0..args.reps.max(1) {
+        if args.pp > 0 {
+            let (ttft, _) = run_one((0..args.pp).map(token).collect(), 1)?;
+            pp.push(args.pp as f64 / ttft);
+        }
+        if args.tg > 0 {
+            // One prompt token, then `tg` single-token steps (the first sampled token comes
+            // from the prompt step, as in llama-bench's tg the first decode starts at once).
+            let (first, total) = run_one(vec![token(0)], args.tg as u32 + 1)?;
+            tg.push(args.tg as f64 / (total - first));
+        }
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+    };
+    let (pp_med, tg_med) = (med(&mut pp), med(&mut tg));
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": loaded.path.display().to_string(),
+                "threads": threads,
+                "kernels": kernels.level.name(),
+                "pp": args.pp, "pp_tok_s": pp_med, "pp_runs": pp,
+                "tg": args.tg, "tg_tok_s": tg_med, "tg_runs": tg,
+            })
+        );
+    } else {
+        println!("| test | threads | kernels | tok/s (median of {}) |", args.reps.max(1));
+        println!("|---|---|---|---|");
+        if args.pp > 0 {
+            println!("| pp{} | {threads} | {} | {pp_med:.1} |", args.pp, kernels.level);
+        }
+        if args.tg > 0 {
+            println!("| tg{} | {threads} | {} | {tg_med:.1} |", args.tg, kernels.level);
+        }
+    }
+    Ok(())
+}
