@@ -4,7 +4,8 @@
 //!
 //! Each benchmark id is `<level>/<size>`, so one run compares scalar, AVX2 and AVX-512 side
 //! by side. Throughput is reported in bytes of weights (plus activations) streamed for the
-//! dot products and matmuls, and elements for element-wise ops.
+//! dot products, floating-point operations ("elem/s" = FLOP/s) for the matmuls, and elements
+//! for element-wise ops.
 //!
 //! `cargo bench -p kvx-kernels --bench kernels -- <filter>` runs a subset, e.g. `dot/`,
 //! `matmul/q8_0`, `avx512`.
@@ -15,6 +16,7 @@ use std::time::Duration;
 use bytemuck::Zeroable;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
+use kvx_kernels::cpu::gemm::Gemm;
 use kvx_kernels::cpu::{Kernels, SimdLevel};
 use kvx_kernels::gguf::GgmlType;
 use kvx_kernels::ops::{self, QMatrix};
@@ -277,7 +279,10 @@ fn bench_float_kernels(c: &mut Criterion) {
     g.finish();
 }
 
-/// `rows × cols` weights of `ty` times `n_tok` activation rows.
+/// `rows × cols` weights of `ty` times `n_tok` activation rows on `threads` threads, for each
+/// named kernel table. Throughput is in elements = floating-point operations
+/// (2 · rows · cols · n_tok), so criterion's "elem/s" reads as FLOP/s.
+#[allow(clippy::too_many_arguments)]
 fn bench_matmul_shape(
     c: &mut Criterion,
     rng: &mut StdRng,
@@ -286,6 +291,7 @@ fn bench_matmul_shape(
     cols: usize,
     n_tok: usize,
     threads: usize,
+    tables: &[(String, Kernels)],
 ) {
     let w = Weights::new(rng, ty, rows * cols);
     let Ok(m) = QMatrix::new(ty, rows, cols, w.bytes()) else {
@@ -300,42 +306,87 @@ fn bench_matmul_shape(
     };
     let name = format!("matmul/{}/{rows}x{cols}/t{n_tok}/p{threads}", ty.name().to_lowercase());
     let mut g = c.benchmark_group(name);
-    // Weight bytes streamed per call; GFLOP/s follow as 2 · rows · cols · n_tok / time.
-    g.throughput(Throughput::Bytes(w.len as u64));
-    for k in levels() {
+    if rows * cols * n_tok >= 1 << 28 {
+        g.sample_size(10);
+    }
+    g.throughput(Throughput::Elements((2 * rows * cols * n_tok) as u64));
+    for (label, k) in tables {
         let Ok(xq) =
-            ops::quantize_activations(&k, m.act_ty(), &x, cols, bytemuck::cast_slice_mut(&mut act))
+            ops::quantize_activations(k, m.act_ty(), &x, cols, bytemuck::cast_slice_mut(&mut act))
         else {
             continue;
         };
         let xq = xq.to_vec();
-        g.bench_function(BenchmarkId::new(k.level.name(), format!("{rows}x{cols}")), |b| {
+        let mut scratch = ops::MatmulScratch::for_matrix(k, &m, n_tok);
+        g.bench_function(BenchmarkId::new(label, format!("{rows}x{cols}")), |b| {
             b.iter(|| {
-                ops::matmul(&k, &pool, black_box(&m), black_box(&xq), n_tok, black_box(&mut out))
+                ops::matmul_with(
+                    k,
+                    &pool,
+                    black_box(&m),
+                    black_box(&xq),
+                    n_tok,
+                    black_box(&mut out),
+                    &mut scratch,
+                )
             })
         });
     }
     g.finish();
 }
 
+/// Each level's table under its name, and for the SIMD levels the same table without its
+/// matrix kernels as `<level>-dots` (every output one call of the dot product: the peer the
+/// tiled kernels are measured against).
+fn matmul_tables(with_scalar: bool, with_dots: bool) -> Vec<(String, Kernels)> {
+    let mut t = vec![];
+    for k in levels() {
+        if k.level == SimdLevel::Scalar {
+            if with_scalar {
+                t.push((k.level.name().to_string(), k));
+            }
+            continue;
+        }
+        t.push((k.level.name().to_string(), k));
+        if with_dots {
+            let mut dots = k;
+            dots.gemm = Gemm::NONE;
+            t.push((format!("{}-dots", k.level.name()), dots));
+        }
+    }
+    t
+}
+
 fn bench_matmul(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(3);
+    let all = matmul_tables(true, false);
     // The layer shapes (rows = outputs): q/o projections, FFN gate/up, FFN down.
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16] {
         for (rows, cols) in [(576, 576), (1536, 576), (576, 1536)] {
-            bench_matmul_shape(c, &mut rng, ty, rows, cols, 1, 1);
+            bench_matmul_shape(c, &mut rng, ty, rows, cols, 1, 1, &all);
         }
     }
     // K-quants need rows of whole 256-element super-blocks: only the FFN down projection.
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-        bench_matmul_shape(c, &mut rng, ty, 576, 1536, 1, 1);
+        bench_matmul_shape(c, &mut rng, ty, 576, 1536, 1, 1, &all);
+        bench_matmul_shape(c, &mut rng, ty, 576, 1536, 16, 1, &all);
     }
-    // Prefill: many tokens per weight row.
-    bench_matmul_shape(c, &mut rng, GgmlType::Q4_1, 1536, 576, 64, 1);
-    bench_matmul_shape(c, &mut rng, GgmlType::Q8_0, 1536, 576, 64, 1);
-    // The output head (tied embeddings, Q8_0), one and two threads.
-    bench_matmul_shape(c, &mut rng, GgmlType::Q8_0, 49152, 576, 1, 1);
-    bench_matmul_shape(c, &mut rng, GgmlType::Q8_0, 49152, 576, 1, 2);
+    // The default model's matrices (Q4_1 layers, Q8_0 output head) from one decode token
+    // to a prefill batch, one and two threads, tiled kernels against the dot products.
+    let simd = matmul_tables(false, true);
+    let shapes = [
+        (GgmlType::Q4_1, 576, 576),
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q8_0, 49152, 576),
+    ];
+    for (ty, rows, cols) in shapes {
+        for n_tok in [1, 4, 16, 64] {
+            for threads in [1, 2] {
+                bench_matmul_shape(c, &mut rng, ty, rows, cols, n_tok, threads, &simd);
+            }
+        }
+    }
 }
 
 criterion_group! {

@@ -9,6 +9,7 @@ use half::f16;
 use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::cpu::exact::SumShape;
+use crate::cpu::gemm::{Acts, GemmJob, Line};
 use crate::par::{ThreadPool, split_range};
 use crate::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
 use crate::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
@@ -167,7 +168,15 @@ impl DisjointOut {
 
 /// `out[t][r] = W[r] · x[t]` for `t < n_tok`, `r < w.rows()`: `xq` holds `n_tok` activation
 /// rows already quantized for `w.act_ty()`, `out` is `n_tok × w.rows()` row-major.
-/// Rows are split across the pool's threads; each weight row is read once for all tokens.
+///
+/// Every output has the bits of the level's dot product of row `r` and token `t` (for
+/// `Q4_0`/`Q4_1`/`Q8_0` at the SIMD levels computed by the tiled kernels of
+/// [`crate::cpu::gemm`]). Rows are split across the pool's threads; each weight row is read
+/// once for all tokens.
+///
+/// The packed activations live in a per-thread [`MatmulScratch`] that grows to the largest
+/// call and is then reused (no allocation in steady state); [`matmul_with`] takes the
+/// scratch from the caller instead.
 pub fn matmul(
     k: &Kernels,
     pool: &ThreadPool,
@@ -175,6 +184,71 @@ pub fn matmul(
     xq: &[u8],
     n_tok: usize,
     out: &mut [f32],
+) -> Result<(), KernelError> {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<MatmulScratch> =
+            const { std::cell::RefCell::new(MatmulScratch::new()) };
+    }
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => matmul_with(k, pool, w, xq, n_tok, out, &mut s),
+        // Only reachable by re-entering `matmul` from inside a kernel, which nothing does.
+        Err(_) => matmul_with(k, pool, w, xq, n_tok, out, &mut MatmulScratch::new()),
+    })
+}
+
+/// Working memory of [`matmul_with`]: the activations repacked for the matrix kernels.
+#[derive(Default)]
+pub struct MatmulScratch {
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for MatmulScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MatmulScratch").field("bytes", &(self.lines.len() * 64)).finish()
+    }
+}
+
+impl MatmulScratch {
+    /// An empty scratch; [`matmul_with`] grows it on first use.
+    pub const fn new() -> Self {
+        MatmulScratch { lines: Vec::new() }
+    }
+
+    /// A scratch big enough for products of `w` with up to `max_tok` tokens at level `k`,
+    /// so that no call allocates.
+    pub fn for_matrix(k: &Kernels, w: &QMatrix<'_>, max_tok: usize) -> Self {
+        let mut s = Self::new();
+        s.reserve(k, w, max_tok);
+        s
+    }
+
+    /// Grows the scratch (if needed) for products of `w` with up to `max_tok` tokens; a
+    /// scratch reserved for every matrix of a model and the step size serves them all.
+    pub fn reserve(&mut self, k: &Kernels, w: &QMatrix<'_>, max_tok: usize) {
+        if let Some(g) = k.gemm.for_type(w.ty) {
+            let nb = w.cols / w.ty.block_size();
+            let need = (1..=max_tok.min(2)).chain([max_tok]).map(|n| (g.lines)(n, nb)).max();
+            self.grow(need.unwrap_or(0));
+        }
+    }
+
+    fn grow(&mut self, lines: usize) {
+        if self.lines.len() < lines {
+            self.lines.resize(lines, Line([0; 64]));
+        }
+    }
+}
+
+/// [`matmul`] with caller-owned scratch: allocates only when `scratch` is smaller than this
+/// call needs (see [`MatmulScratch::reserve`]).
+pub fn matmul_with(
+    k: &Kernels,
+    pool: &ThreadPool,
+    w: &QMatrix<'_>,
+    xq: &[u8],
+    n_tok: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
 ) -> Result<(), KernelError> {
     let act_row = w.act_ty.row_size(w.cols as u64).unwrap_or(0) as usize;
     if xq.len() != act_row * n_tok || out.len() != n_tok * w.rows {
@@ -184,6 +258,36 @@ pub fn matmul(
         return Ok(());
     }
     let out = DisjointOut::new(out);
+    if let Some(g) = k.gemm.for_type(w.ty) {
+        let bad = KernelError::Shape("activation buffer misaligned");
+        let acts = match w.act_ty {
+            GgmlType::Q8_0 => Acts::Q8_0(cast_blocks(xq).ok_or(bad)?),
+            GgmlType::Q8_1 => Acts::Q8_1(cast_blocks(xq).ok_or(bad)?),
+            other => return Err(KernelError::UnsupportedType(other)),
+        };
+        let nb = w.cols / w.ty.block_size();
+        let lines = (g.lines)(n_tok, nb);
+        scratch.grow(lines);
+        let packed = &mut scratch.lines[..lines];
+        if !(g.pack)(acts, n_tok, nb, packed) {
+            return Err(KernelError::Shape("matmul activations do not fit the kernel"));
+        }
+        let job = GemmJob {
+            w: w.data,
+            row_bytes: w.row_bytes,
+            nb,
+            n_tok,
+            packed,
+            out: &out,
+            stride: w.rows,
+        };
+        let run = |i: usize, n: usize| {
+            // Thread `i` writes only the rows of its own `split_range`.
+            (g.run)(&job, split_range(w.rows, i, n, g.row_align));
+        };
+        pool.run(&run);
+        return Ok(());
+    }
     let job = |i: usize, n: usize| {
         // Thread `i` writes only the rows of its own `split_range`.
         let rows = split_range(w.rows, i, n, 4);

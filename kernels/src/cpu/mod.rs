@@ -9,6 +9,9 @@
 pub mod exact;
 #[cfg(target_arch = "x86_64")]
 mod exact_x86;
+pub mod gemm;
+#[cfg(target_arch = "x86_64")]
+mod gemm_x86;
 pub mod reference;
 
 #[cfg(target_arch = "x86_64")]
@@ -135,6 +138,9 @@ pub struct Kernels {
     pub softmax: fn(&mut [f32], f32),
     /// `out = silu(gate) * up`.
     pub swiglu: fn(&[f32], &[f32], &mut [f32]),
+    /// Matrix products over tiles of rows × tokens, bit-identical to the dot products above
+    /// (used by [`crate::ops::matmul`]; types without an entry use the dot products).
+    pub gemm: gemm::Gemm,
 }
 
 impl Kernels {
@@ -153,6 +159,7 @@ impl Kernels {
             _ => return None,
         };
         exact::patch(&mut k);
+        k.gemm = gemm::table(level);
         Some(k)
     }
 }

@@ -34,6 +34,7 @@ pub const KERNELS: Kernels = Kernels {
     rmsnorm,
     softmax,
     swiglu,
+    gemm: super::gemm::Gemm::NONE,
 };
 
 fn isum(a: impl Iterator<Item = i32>) -> i32 {

@@ -76,6 +76,7 @@ pub(crate) fn kernels() -> Kernels {
         rmsnorm,
         softmax,
         swiglu,
+        gemm: crate::cpu::gemm::Gemm::NONE,
     }
 }
 
