@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+use kvx_kernels::cpu::SimdLevel;
 
 /// The oracle: llama-cpp-python from PyPI, built from source for this CPU by pip.
 const ORACLE_REQ: &str = "llama-cpp-python==0.3.36";
@@ -83,37 +84,59 @@ fn setup(root: &Path) -> Result<TestEnv> {
     })
 }
 
-/// A venv with the oracle, reused when it already imports at the pinned version.
+/// ggml build flags giving exactly the instruction set of kvx's kernel level on this CPU
+/// (explicit, so that extensions kvx does not mirror, such as AMX tiles, stay off).
+fn oracle_cmake_args() -> (&'static str, &'static str) {
+    match SimdLevel::detect() {
+        SimdLevel::Avx512 => (
+            "avx512",
+            "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+             -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON",
+        ),
+        SimdLevel::Avx2 => (
+            "avx2",
+            "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+             -DGGML_AVX512=OFF",
+        ),
+        SimdLevel::Scalar => (
+            "scalar",
+            "-DGGML_NATIVE=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF",
+        ),
+    }
+}
+
+/// A venv with the oracle, reused when it already imports at the pinned version and was
+/// built for this CPU's kernel level.
 fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     if let Some(p) = env::var_os("KVX_ORACLE_PYTHON") {
         return Ok(PathBuf::from(p));
     }
     let venv = root.join(".kvx/oracle");
     let python = venv.join("bin/python");
+    let (level, cmake_args) = oracle_cmake_args();
+    let marker = venv.join("kvx-oracle-build");
     let want = ORACLE_REQ.split("==").nth(1).unwrap_or_default();
-    let ok = Command::new(&python)
-        .args([
-            "-c",
-            &format!("import llama_cpp, numpy, jinja2; assert llama_cpp.__version__ == {want:?}"),
-        ])
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let stamp = format!("{ORACLE_REQ} {level}");
+    let check = format!(
+        "import llama_cpp, numpy, jinja2, openai; assert llama_cpp.__version__ == {want:?}"
+    );
+    let ok = std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == stamp)
+        && Command::new(&python).args(["-c", &check]).output().is_ok_and(|o| o.status.success());
     if ok {
         return Ok(python);
     }
-    eprintln!("xtask: building the llama.cpp oracle ({ORACLE_REQ}, a few minutes on 2 cores)");
+    eprintln!(
+        "xtask: building the llama.cpp oracle ({ORACLE_REQ} for {level}; minutes on 2 cores)"
+    );
     let host_python = env::var("KVX_PYTHON").unwrap_or_else(|_| "python3".into());
+    let _ = std::fs::remove_dir_all(&venv);
     run(Command::new(&host_python).args(["-m", "venv"]).arg(&venv))?;
-    run(Command::new(&python).args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-cache-dir",
-        ORACLE_REQ,
-        "numpy",
-        "jinja2",
-    ]))?;
+    let flags = cmake_args.split_whitespace().collect::<Vec<_>>().join(" ");
+    run(Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--no-cache-dir", ORACLE_REQ])
+        .args(["numpy", "jinja2", "openai"])
+        .env("CMAKE_ARGS", flags))?;
+    std::fs::write(&marker, stamp)?;
     Ok(python)
 }
 
