@@ -7,6 +7,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+pub mod serve;
+
 fn required(var: &str, what: &str) -> PathBuf {
     match std::env::var_os(var) {
         Some(v) => PathBuf::from(v),

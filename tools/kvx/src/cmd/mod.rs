@@ -15,6 +15,7 @@ mod bench_xfer;
 mod engine;
 mod generate;
 mod model;
+mod serve;
 
 /// kvx: a distributed LLM inference appliance.
 #[derive(Debug, Parser)]
@@ -50,6 +51,8 @@ pub(crate) enum Command {
     Model(model::ModelArgs),
     /// Benchmark an OpenAI-compatible endpoint; `compare` two reports; `xfer` KV transfers.
     Bench(Box<bench::BenchArgs>),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// Settings every command shares, resolved once from the global flags.
@@ -92,6 +95,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => generate::generate(a, &rt),
         Command::Tokenize(a) => generate::tokenize(a, &rt),
         Command::Model(a) => model::run(a, &rt.store),
+        Command::Serve(a) => serve::run(*a, &rt),
         Command::Bench(a) => bench::run(*a),
     }
 }

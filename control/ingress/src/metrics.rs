@@ -1,0 +1,268 @@
+//! `/metrics`: Prometheus (OpenMetrics text) with the `kvx_` prefix — requests by endpoint
+//! and status, TTFT / inter-token / end-to-end histograms, token counters, and per-worker and
+//! total queue depth, running requests, KV usage and prefix-cache hit rate, read from the
+//! workers at scrape time.
+
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::dispatch::WorkerState;
+
+type Labels2 = [(&'static str, &'static str); 2];
+type Labels1 = [(&'static str, &'static str); 1];
+type WorkerLabel = [(&'static str, String); 1];
+type GaugeF = Gauge<f64, AtomicU64>;
+
+/// Ingress metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels2, Counter>,
+    finished: Family<Labels1, Counter>,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Gap between consecutive tokens of a stream.
+    pub itl: Histogram,
+    /// Request arrival to last byte.
+    pub e2e: Histogram,
+    /// Prompt tokens of completed requests.
+    pub input_tokens: Counter,
+    /// Generated tokens.
+    pub output_tokens: Counter,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: Counter,
+    /// Clients that went away before their response ended.
+    pub disconnects: Counter,
+    /// Requests in ingress now.
+    pub inflight: Gauge,
+    worker_up: Family<WorkerLabel, Gauge>,
+    worker_running: Family<WorkerLabel, Gauge>,
+    worker_waiting: Family<WorkerLabel, Gauge>,
+    worker_kv_active: Family<WorkerLabel, Gauge>,
+    worker_kv_total: Family<WorkerLabel, Gauge>,
+    worker_kv_usage: Family<WorkerLabel, GaugeF>,
+    worker_hit_rate: Family<WorkerLabel, GaugeF>,
+    running: Gauge,
+    waiting: Gauge,
+    kv_active: Gauge,
+    kv_total: Gauge,
+    kv_usage: GaugeF,
+    hit_rate: GaugeF,
+    workers_up: Gauge,
+    scrape: Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("kvx");
+        let requests = Family::<Labels2, Counter>::default();
+        r.register("requests", "Requests by endpoint and HTTP status", requests.clone());
+        let finished = Family::<Labels1, Counter>::default();
+        r.register("requests_finished", "Generations by finish reason", finished.clone());
+        let ttft = Histogram::new(exponential_buckets(0.0005, 2.0, 18));
+        r.register("time_to_first_token_seconds", "Time to first token", ttft.clone());
+        let itl = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        r.register("inter_token_latency_seconds", "Time between streamed tokens", itl.clone());
+        let e2e = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        r.register("request_duration_seconds", "End-to-end request latency", e2e.clone());
+        let input_tokens = Counter::default();
+        r.register("input_tokens", "Prompt tokens of finished requests", input_tokens.clone());
+        let output_tokens = Counter::default();
+        r.register("output_tokens", "Generated tokens", output_tokens.clone());
+        let cached_tokens = Counter::default();
+        r.register("cached_tokens", "Prompt tokens from the prefix cache", cached_tokens.clone());
+        let disconnects = Counter::default();
+        r.register(
+            "client_disconnects",
+            "Clients gone before the response ended",
+            disconnects.clone(),
+        );
+        let inflight = Gauge::default();
+        r.register("inflight_requests", "Requests being served by ingress", inflight.clone());
+        macro_rules! fam {
+            ($name:literal, $help:literal, $t:ty) => {{
+                let f = Family::<WorkerLabel, $t>::default();
+                r.register($name, $help, f.clone());
+                f
+            }};
+        }
+        macro_rules! one {
+            ($name:literal, $help:literal, $t:ty) => {{
+                let g = <$t>::default();
+                r.register($name, $help, g.clone());
+                g
+            }};
+        }
+        Metrics {
+            worker_up: fam!("worker_up", "Whether the worker is running", Gauge),
+            worker_running: fam!("worker_running_requests", "Sequences computing", Gauge),
+            worker_waiting: fam!("worker_queue_depth", "Requests waiting for admission", Gauge),
+            worker_kv_active: fam!("worker_kv_blocks_active", "KV blocks in use", Gauge),
+            worker_kv_total: fam!("worker_kv_blocks", "KV blocks", Gauge),
+            worker_kv_usage: fam!("worker_kv_usage_ratio", "KV blocks in use / all", GaugeF),
+            worker_hit_rate: fam!(
+                "worker_prefix_cache_hit_rate",
+                "Cached prompt tokens / prompt tokens",
+                GaugeF
+            ),
+            running: one!("running_requests", "Sequences computing, all workers", Gauge),
+            waiting: one!("queue_depth", "Requests waiting for admission, all workers", Gauge),
+            kv_active: one!("kv_blocks_active", "KV blocks in use, all workers", Gauge),
+            kv_total: one!("kv_blocks", "KV blocks, all workers", Gauge),
+            kv_usage: one!("kv_usage_ratio", "KV blocks in use / all, all workers", GaugeF),
+            hit_rate: one!(
+                "prefix_cache_hit_rate",
+                "Cached prompt tokens / prompt tokens, all workers",
+                GaugeF
+            ),
+            workers_up: one!("workers_up", "Workers running", Gauge),
+            registry: r,
+            requests,
+            finished,
+            ttft,
+            itl,
+            e2e,
+            input_tokens,
+            output_tokens,
+            cached_tokens,
+            disconnects,
+            inflight,
+            scrape: Mutex::new(()),
+        }
+    }
+
+    /// Counts a response.
+    pub fn request(&self, endpoint: &'static str, status: u16) {
+        self.requests
+            .get_or_create(&[("endpoint", endpoint), ("status", status_label(status))])
+            .inc();
+    }
+
+    /// Counts a finished generation.
+    pub fn finished(&self, reason: &'static str) {
+        self.finished.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// Renders the text exposition, reading worker state and router counters first.
+    pub fn render(&self, workers: &[WorkerState], router: &[(&'static str, f64)]) -> String {
+        let _g = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut run, mut wait, mut act, mut tot, mut up) = (0i64, 0i64, 0i64, 0i64, 0i64);
+        let (mut prompt, mut cached) = (0u64, 0u64);
+        for w in workers {
+            let l = [("worker", w.id.to_string())];
+            let m = &w.metrics;
+            self.worker_up.get_or_create(&l).set(i64::from(w.alive));
+            self.worker_running.get_or_create(&l).set(i64::from(m.load.active_seqs));
+            self.worker_waiting.get_or_create(&l).set(i64::from(m.load.waiting));
+            self.worker_kv_active.get_or_create(&l).set(i64::from(m.load.active_blocks));
+            self.worker_kv_total.get_or_create(&l).set(i64::from(m.load.total_blocks));
+            self.worker_kv_usage.get_or_create(&l).set(f64::from(m.load.kv_usage()));
+            self.worker_hit_rate.get_or_create(&l).set(m.prefix_hit_rate());
+            run += i64::from(m.load.active_seqs);
+            wait += i64::from(m.load.waiting);
+            act += i64::from(m.load.active_blocks);
+            tot += i64::from(m.load.total_blocks);
+            up += i64::from(w.alive);
+            prompt += m.prompt_tokens;
+            cached += m.cached_tokens;
+        }
+        self.running.set(run);
+        self.waiting.set(wait);
+        self.kv_active.set(act);
+        self.kv_total.set(tot);
+        self.kv_usage.set(if tot > 0 { act as f64 / tot as f64 } else { 0.0 });
+        self.hit_rate.set(if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 });
+        self.workers_up.set(up);
+        let mut out = String::with_capacity(8192);
+        // Writing into a String cannot fail.
+        let _ = encode_registry(&mut out, &self.registry);
+        for (name, v) in router {
+            let name: String = name
+                .strip_prefix("router_")
+                .unwrap_or(name)
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
+                .collect();
+            out.push_str(&format!("# TYPE kvx_router_{name} gauge\nkvx_router_{name} {v}\n"));
+        }
+        let _ = encode_eof(&mut out);
+        out
+    }
+}
+
+fn status_label(s: u16) -> &'static str {
+    match s {
+        200 => "200",
+        400 => "400",
+        401 => "401",
+        404 => "404",
+        405 => "405",
+        413 => "413",
+        429 => "429",
+        500 => "500",
+        503 => "503",
+        504 => "504",
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvx_proto::{LoadReport, WorkerMetrics};
+
+    use super::*;
+
+    #[test]
+    fn exposition_has_per_worker_and_total_series() {
+        let m = Metrics::new();
+        m.request("chat", 200);
+        m.request("chat", 429);
+        m.ttft.observe(0.01);
+        let w = |id, active, prompt, cached| WorkerState {
+            id,
+            alive: true,
+            metrics: WorkerMetrics {
+                load: LoadReport {
+                    worker_id: id,
+                    active_seqs: 1,
+                    active_blocks: active,
+                    total_blocks: 10,
+                    ..Default::default()
+                },
+                prompt_tokens: prompt,
+                cached_tokens: cached,
+                ..Default::default()
+            },
+        };
+        let text = m.render(&[w(0, 2, 100, 50), w(1, 4, 100, 0)], &[("decisions", 3.0)]);
+        for line in [
+            "kvx_requests_total{endpoint=\"chat\",status=\"200\"} 1",
+            "kvx_requests_total{endpoint=\"chat\",status=\"429\"} 1",
+            "kvx_worker_kv_blocks_active{worker=\"1\"} 4",
+            "kvx_kv_blocks_active 6",
+            "kvx_kv_usage_ratio 0.3",
+            "kvx_running_requests 2",
+            "kvx_prefix_cache_hit_rate 0.25",
+            "kvx_worker_prefix_cache_hit_rate{worker=\"0\"} 0.5",
+            "kvx_router_decisions 3",
+            "kvx_time_to_first_token_seconds_count 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,742 @@
+//! The HTTP server: routes, authentication, body limits, admission, the request path from a
+//! JSON body to engine requests and back (whole responses or SSE streams), cancellation when a
+//! client goes away, and graceful shutdown.
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use bytes::{Bytes, BytesMut};
+use http_body::Frame;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use kvx_proto::{FinishReason, GenerateRequest, Output, RequestId, TokenId, Usage};
+use serde_json::json;
+use tokio::sync::Notify;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::dispatch::{Dispatcher, ModelInfo};
+use crate::error::{ApiError, IngressError};
+use crate::metrics::Metrics;
+use crate::openai::{ChatRequest, CompletionRequest, Params, parse};
+use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct IngressConfig {
+    /// Where to listen (port 0 = any free port; see [`Server::local_addr`]).
+    pub addr: SocketAddr,
+    /// Accepted API keys (`Authorization: Bearer KEY`); empty = no authentication.
+    pub api_keys: Vec<String>,
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// On shutdown, how long running requests may take to finish before they are cancelled.
+    pub shutdown_grace: Duration,
+    /// Requests served at once at most (429 above).
+    pub max_inflight: usize,
+}
+
+impl Default for IngressConfig {
+    fn default() -> Self {
+        IngressConfig {
+            addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            api_keys: Vec::new(),
+            max_body_bytes: 8 << 20,
+            shutdown_grace: Duration::from_secs(30),
+            max_inflight: 4096,
+        }
+    }
+}
+
+/// Bodies at least this large are preprocessed off the I/O threads.
+const BLOCKING_PREPROCESS_BYTES: usize = 32 << 10;
+/// SSE messages written per body frame at most (only those already waiting are coalesced).
+const MAX_MESSAGES_PER_FRAME: usize = 64;
+
+struct Shared {
+    cfg: IngressConfig,
+    model: ModelInfo,
+    dispatcher: Arc<dyn Dispatcher>,
+    metrics: Metrics,
+    next_id: AtomicU64,
+    inflight: AtomicUsize,
+    active: Mutex<HashSet<RequestId>>,
+    draining: AtomicBool,
+    idle: Notify,
+    models_json: Bytes,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").field("cfg", &self.cfg).field("model", &self.model.name).finish()
+    }
+}
+
+impl Shared {
+    fn model_card(&self) -> serde_json::Value {
+        json!({
+            "id": self.model.name,
+            "object": "model",
+            "created": self.model.created,
+            "owned_by": "kvx",
+            "max_model_len": self.model.context_length,
+        })
+    }
+}
+
+/// A bound server, ready to run.
+#[derive(Debug)]
+pub struct Server {
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Requests that were running when shutdown began.
+    pub running_at_signal: usize,
+    /// Requests cancelled at the deadline.
+    pub cancelled: usize,
+}
+
+impl Server {
+    /// Binds the listening socket.
+    pub async fn bind(
+        cfg: IngressConfig,
+        model: ModelInfo,
+        dispatcher: Arc<dyn Dispatcher>,
+    ) -> Result<Server, IngressError> {
+        let listener = tokio::net::TcpListener::bind(cfg.addr)
+            .await
+            .map_err(|source| IngressError::Bind { addr: cfg.addr, source })?;
+        // Ids start at a random point so that restarts do not reuse them.
+        let base = RandomState::new().hash_one(std::process::id()) >> 1;
+        let mut shared = Shared {
+            cfg,
+            model,
+            dispatcher,
+            metrics: Metrics::new(),
+            next_id: AtomicU64::new(base),
+            inflight: AtomicUsize::new(0),
+            active: Mutex::new(HashSet::new()),
+            draining: AtomicBool::new(false),
+            idle: Notify::new(),
+            models_json: Bytes::new(),
+        };
+        let list = json!({"object": "list", "data": [shared.model_card()]});
+        shared.models_json = Bytes::from(serde_json::to_vec(&list).unwrap_or_default());
+        Ok(Server { listener, shared: Arc::new(shared) })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr, IngressError> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Serves until `shutdown` completes; then stops accepting, lets running requests finish
+    /// for the configured grace period, cancels what is left and returns.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<ShutdownReport, IngressError> {
+        let shared = self.shared.clone();
+        let app = router(shared.clone());
+        let listener = self.listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let (sig_tx, sig_rx) = tokio::sync::oneshot::channel::<()>();
+        let sh = shared.clone();
+        let graceful = async move {
+            shutdown.await;
+            sh.draining.store(true, Ordering::SeqCst);
+            let _ = sig_tx.send(());
+        };
+        let mut serve =
+            tokio::spawn(axum::serve(listener, app).with_graceful_shutdown(graceful).into_future());
+        tokio::select! {
+            r = &mut serve => {
+                return match r {
+                    Ok(Ok(())) => Ok(ShutdownReport { running_at_signal: 0, cancelled: 0 }),
+                    Ok(Err(e)) => Err(IngressError::Serve(e)),
+                    Err(e) => Err(IngressError::Serve(std::io::Error::other(e.to_string()))),
+                };
+            }
+            _ = sig_rx => {}
+        }
+        let running_at_signal = shared.inflight.load(Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + shared.cfg.shutdown_grace;
+        wait_idle(&shared, deadline).await;
+        let mut cancelled = 0;
+        if shared.inflight.load(Ordering::SeqCst) > 0 {
+            let ids: Vec<RequestId> =
+                shared.active.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+            cancelled = ids.len();
+            for id in ids {
+                shared.dispatcher.cancel(id);
+            }
+            wait_idle(&shared, tokio::time::Instant::now() + Duration::from_secs(2)).await;
+        }
+        // Connections still open (idle keep-alive ones are closed by the graceful shutdown)
+        // get a moment to flush, then the server is dropped.
+        if tokio::time::timeout(Duration::from_secs(1), &mut serve).await.is_err() {
+            serve.abort();
+        }
+        Ok(ShutdownReport { running_at_signal, cancelled })
+    }
+}
+
+async fn wait_idle(shared: &Shared, deadline: tokio::time::Instant) {
+    loop {
+        let notified = shared.idle.notified();
+        if shared.inflight.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/health", get(health))
+        .route("/live", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(shared)
+}
+
+async fn not_found(uri: Uri) -> Response {
+    ApiError::no_route(uri.path()).into_response()
+}
+
+async fn method_not_allowed(method: Method) -> Response {
+    let _ = method;
+    ApiError::method_not_allowed().into_response()
+}
+
+fn json_response(status: StatusCode, body: impl Into<Body>) -> Response {
+    let mut r = Response::new(body.into());
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+async fn health() -> Response {
+    json_response(StatusCode::OK, "{\"status\":\"ok\"}")
+}
+
+async fn ready(State(s): State<Arc<Shared>>) -> Response {
+    if s.draining.load(Ordering::Relaxed) {
+        json_response(StatusCode::SERVICE_UNAVAILABLE, "{\"status\":\"shutting down\"}")
+    } else if s.dispatcher.ready() {
+        json_response(StatusCode::OK, "{\"status\":\"ready\"}")
+    } else {
+        json_response(StatusCode::SERVICE_UNAVAILABLE, "{\"status\":\"not ready\"}")
+    }
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let text = s.metrics.render(&s.dispatcher.workers(), &s.dispatcher.router_metrics());
+    let mut r = Response::new(Body::from(text));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    r
+}
+
+async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    json_response(StatusCode::OK, s.models_json.clone())
+}
+
+async fn model(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    if id != s.model.name {
+        return ApiError::model_not_found(&id).into_response();
+    }
+    json_response(StatusCode::OK, serde_json::to_vec(&s.model_card()).unwrap_or_default())
+}
+
+async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    generate(s, Api::Chat, headers, body).await
+}
+
+async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    generate(s, Api::Completions, headers, body).await
+}
+
+/// Compares without an early exit on the first differing byte.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    if s.cfg.api_keys.is_empty() {
+        return Ok(());
+    }
+    let Some(v) = headers.get(header::AUTHORIZATION) else {
+        return Err(ApiError::unauthorized(
+            "missing API key: send it as `Authorization: Bearer KEY`",
+        ));
+    };
+    let v = v.as_bytes();
+    let key = if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") { &v[7..] } else { v };
+    let mut ok = false;
+    for k in &s.cfg.api_keys {
+        ok |= same(k.as_bytes(), key);
+    }
+    if ok { Ok(()) } else { Err(ApiError::unauthorized("incorrect API key")) }
+}
+
+async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = s.cfg.max_body_bytes;
+    if let Some(n) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && n > limit as u64
+    {
+        return Err(ApiError::too_large(limit));
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::bad_request(format!("reading the request body: {e}"), None)),
+    }
+}
+
+/// A parsed request, tokenized and ready for the engine.
+struct Prepared {
+    params: Params,
+    prompts: Vec<Vec<TokenId>>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn prepare(s: &Shared, api: Api, body: &[u8]) -> Result<Prepared, ApiError> {
+    let tok = &s.model.tokenizer;
+    let (common, prompts) = match api {
+        Api::Chat => {
+            let r: ChatRequest = parse(body)?;
+            let c = r.common()?;
+            check_model(s, c.model.as_deref())?;
+            let text = r.render(tok)?;
+            let ids = tok
+                .encode_prompt(&text)
+                .map_err(|e| ApiError::bad_request(format!("tokenizing: {e}"), Some("messages")))?;
+            (c, vec![ids])
+        }
+        Api::Completions => {
+            let r: CompletionRequest = parse(body)?;
+            let c = r.common()?;
+            check_model(s, c.model.as_deref())?;
+            (c, r.prompts(tok)?)
+        }
+    };
+    let params = common.params()?;
+    Ok(Prepared { params, prompts, stream: common.stream, include_usage: common.include_usage })
+}
+
+fn check_model(s: &Shared, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != s.model.name => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
+}
+
+/// One request's place in ingress: counts it in flight and, if dropped before the response
+/// ended (the client went away), cancels its engine requests.
+struct Guard {
+    shared: Arc<Shared>,
+    ids: Vec<RequestId>,
+    done: bool,
+}
+
+impl Guard {
+    fn admit(shared: &Arc<Shared>) -> Result<Guard, ApiError> {
+        if shared.draining.load(Ordering::Relaxed) {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        let n = shared.inflight.fetch_add(1, Ordering::SeqCst);
+        let g = Guard { shared: shared.clone(), ids: Vec::new(), done: false };
+        shared.metrics.inflight.inc();
+        if n >= shared.cfg.max_inflight {
+            return Err(ApiError::overloaded(format!(
+                "too many requests in flight ({})",
+                shared.cfg.max_inflight
+            )));
+        }
+        Ok(g)
+    }
+
+    fn submit(&mut self, req: GenerateRequest) -> Result<UnboundedReceiver<Output>, ApiError> {
+        let id = req.id;
+        let rx = self.shared.dispatcher.submit(req)?;
+        self.ids.push(id);
+        self.shared.active.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+        Ok(rx)
+    }
+
+    /// The response ended (or failed) on the server's side: nothing to cancel.
+    fn finish(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let s = &self.shared;
+        if !self.ids.is_empty() {
+            let mut active = s.active.lock().unwrap_or_else(|p| p.into_inner());
+            for id in &self.ids {
+                active.remove(id);
+            }
+        }
+        if !self.done {
+            for &id in &self.ids {
+                s.dispatcher.cancel(id);
+            }
+            if !self.ids.is_empty() {
+                s.metrics.disconnects.inc();
+            }
+        }
+        s.metrics.inflight.dec();
+        if s.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            s.idle.notify_waiters();
+        }
+    }
+}
+
+async fn generate(s: Arc<Shared>, api: Api, headers: HeaderMap, body: Body) -> Response {
+    let arrival = Instant::now();
+    match start(&s, api, &headers, body, arrival).await {
+        Ok(r) => r,
+        Err(e) => {
+            s.metrics.request(api.label(), e.status.as_u16());
+            e.into_response()
+        }
+    }
+}
+
+async fn start(
+    s: &Arc<Shared>,
+    api: Api,
+    headers: &HeaderMap,
+    body: Body,
+    arrival: Instant,
+) -> Result<Response, ApiError> {
+    authorize(s, headers)?;
+    let body = read_body(s, headers, body).await?;
+    let prep = if body.len() >= BLOCKING_PREPROCESS_BYTES {
+        let sh = s.clone();
+        tokio::task::spawn_blocking(move || prepare(&sh, api, &body))
+            .await
+            .map_err(|e| ApiError::internal(format!("preprocessing: {e}")))??
+    } else {
+        prepare(s, api, &body)?
+    };
+    let mut guard = Guard::admit(s)?;
+    if !s.dispatcher.ready() {
+        guard.finish();
+        return Err(ApiError::unavailable("no worker is ready"));
+    }
+    let mut reqs = Vec::with_capacity(prep.prompts.len());
+    for p in prep.prompts {
+        let id = RequestId(s.next_id.fetch_add(1, Ordering::Relaxed));
+        reqs.push(prep.params.request(id, p, s.model.context_length)?);
+    }
+    let first_id = reqs.first().map_or(RequestId(0), |r| r.id);
+    let mut subs = Vec::with_capacity(reqs.len());
+    for r in reqs {
+        match guard.submit(r) {
+            Ok(rx) => subs.push(Sub::new(rx)),
+            Err(e) => {
+                // Cancel what was already submitted (not a disconnect).
+                for &id in &guard.ids {
+                    s.dispatcher.cancel(id);
+                }
+                guard.finish();
+                return Err(e);
+            }
+        }
+    }
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let id = match api {
+        Api::Chat => format!("chatcmpl-{first_id}"),
+        Api::Completions => format!("cmpl-{first_id}"),
+    };
+    let want_logprobs = prep.params.logprobs.map(|n| n as usize);
+    // Wait for every choice's first message, so that errors the engine finds at admission
+    // (queue full, invalid parameters) still get their HTTP status.
+    for sub in &mut subs {
+        let first = sub.rx.recv().await;
+        match first {
+            Some(Output::Error { class, message }) => {
+                for &id in &guard.ids {
+                    s.dispatcher.cancel(id);
+                }
+                guard.finish();
+                return Err(ApiError::from_class(class, message));
+            }
+            Some(o) => sub.pending = Some(o),
+            None => {
+                guard.finish();
+                return Err(ApiError::unavailable("the worker went away"));
+            }
+        }
+    }
+    let ctx = Ctx { shared: s.clone(), api, arrival, logprobs: want_logprobs };
+    if prep.stream {
+        let writer = ChunkWriter::new(api, &id, created, &s.model.name);
+        let body = SseBody {
+            ctx,
+            guard,
+            writer,
+            subs,
+            include_usage: prep.include_usage,
+            total: Usage::default(),
+            ended: false,
+        };
+        let mut r = Response::new(Body::new(body));
+        let h = r.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(r);
+    }
+    let mut choices = Vec::with_capacity(subs.len());
+    let mut total = Usage::default();
+    for sub in &mut subs {
+        let mut text = String::new();
+        let mut lp = LogprobAcc::default();
+        loop {
+            let msg = match sub.pending.take() {
+                Some(m) => Some(m),
+                None => sub.rx.recv().await,
+            };
+            match msg {
+                Some(Output::Delta(d)) => {
+                    ctx.on_tokens(sub, d.tokens.len());
+                    text.push_str(&d.text);
+                    ctx.add_logprobs(&mut lp, &d.tokens, &d.logprobs);
+                }
+                Some(Output::Finished { reason, usage }) => {
+                    ctx.on_finish(reason, &usage);
+                    add(&mut total, &usage);
+                    let logprobs = want_logprobs.map(|_| lp.take(api));
+                    choices.push(Choice { text, finish: reason, logprobs });
+                    break;
+                }
+                Some(Output::Error { class, message }) => {
+                    for &id in &guard.ids {
+                        s.dispatcher.cancel(id);
+                    }
+                    guard.finish();
+                    return Err(ApiError::from_class(class, message));
+                }
+                None => {
+                    guard.finish();
+                    return Err(ApiError::internal("the worker stopped before the request ended"));
+                }
+            }
+        }
+    }
+    guard.finish();
+    s.metrics.e2e.observe(arrival.elapsed().as_secs_f64());
+    s.metrics.request(api.label(), 200);
+    Ok(json_response(StatusCode::OK, response(api, &id, created, &s.model.name, choices, &total)))
+}
+
+fn add(total: &mut Usage, u: &Usage) {
+    total.prompt_tokens += u.prompt_tokens;
+    total.completion_tokens += u.completion_tokens;
+    total.cached_tokens += u.cached_tokens;
+}
+
+/// One choice's output stream.
+struct Sub {
+    rx: UnboundedReceiver<Output>,
+    pending: Option<Output>,
+    last: Option<Instant>,
+    started: bool,
+    done: bool,
+}
+
+impl Sub {
+    fn new(rx: UnboundedReceiver<Output>) -> Self {
+        Sub { rx, pending: None, last: None, started: false, done: false }
+    }
+}
+
+/// What a request's output handling needs.
+struct Ctx {
+    shared: Arc<Shared>,
+    api: Api,
+    arrival: Instant,
+    logprobs: Option<usize>,
+}
+
+impl Ctx {
+    fn on_tokens(&self, sub: &mut Sub, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let m = &self.shared.metrics;
+        match sub.last {
+            None => m.ttft.observe((now - self.arrival).as_secs_f64()),
+            Some(t) => m.itl.observe((now - t).as_secs_f64()),
+        }
+        sub.last = Some(now);
+    }
+
+    fn on_finish(&self, reason: FinishReason, usage: &Usage) {
+        let m = &self.shared.metrics;
+        m.input_tokens.inc_by(u64::from(usage.prompt_tokens));
+        m.output_tokens.inc_by(u64::from(usage.completion_tokens));
+        m.cached_tokens.inc_by(u64::from(usage.cached_tokens));
+        m.finished(reason.as_str());
+    }
+
+    fn add_logprobs(&self, acc: &mut LogprobAcc, tokens: &[u32], lps: &[kvx_proto::Logprob]) {
+        if let Some(n) = self.logprobs {
+            let tok = &self.shared.model.tokenizer;
+            for (t, lp) in tokens.iter().zip(lps) {
+                acc.push(self.api, tok, *t, lp, n);
+            }
+        }
+    }
+}
+
+/// A streamed response: SSE events written as the engine's outputs arrive.
+struct SseBody {
+    ctx: Ctx,
+    guard: Guard,
+    writer: ChunkWriter,
+    subs: Vec<Sub>,
+    include_usage: bool,
+    total: Usage,
+    ended: bool,
+}
+
+impl SseBody {
+    /// Writes one output of choice `i`; returns whether the choice ended.
+    fn write(&mut self, buf: &mut BytesMut, i: usize, out: Output) {
+        let sub = &mut self.subs[i];
+        if !sub.started {
+            sub.started = true;
+            self.writer.role(buf, i);
+        }
+        match out {
+            Output::Delta(d) => {
+                self.ctx.on_tokens(sub, d.tokens.len());
+                let lp = if self.ctx.logprobs.is_some() {
+                    let mut acc = LogprobAcc::default();
+                    self.ctx.add_logprobs(&mut acc, &d.tokens, &d.logprobs);
+                    (!acc.is_empty()).then(|| acc.take(self.ctx.api))
+                } else {
+                    None
+                };
+                if !d.text.is_empty() || lp.is_some() {
+                    self.writer.delta(buf, i, &d.text, lp.as_ref());
+                }
+            }
+            Output::Finished { reason, usage } => {
+                sub.done = true;
+                self.ctx.on_finish(reason, &usage);
+                add(&mut self.total, &usage);
+                self.writer.finish(buf, i, reason);
+            }
+            Output::Error { class, message } => {
+                sub.done = true;
+                self.writer.error(buf, &ApiError::from_class(class, message).json());
+            }
+        }
+    }
+}
+
+impl http_body::Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let mut buf = BytesMut::with_capacity(512);
+        let mut written = 0;
+        for i in 0..this.subs.len() {
+            if let Some(o) = this.subs[i].pending.take() {
+                this.write(&mut buf, i, o);
+                written += 1;
+            }
+            while !this.subs[i].done && written < MAX_MESSAGES_PER_FRAME {
+                match this.subs[i].rx.poll_recv(cx) {
+                    Poll::Ready(Some(o)) => {
+                        this.write(&mut buf, i, o);
+                        written += 1;
+                    }
+                    Poll::Ready(None) => {
+                        this.subs[i].done = true;
+                        let e = ApiError::internal("the worker stopped before the request ended");
+                        this.writer.error(&mut buf, &e.json());
+                    }
+                    Poll::Pending => break,
+                }
+            }
+        }
+        if this.subs.iter().all(|s| s.done) {
+            if this.include_usage {
+                this.writer.usage(&mut buf, &this.total);
+            }
+            this.writer.done(&mut buf);
+            this.ended = true;
+            this.guard.finish();
+            let m = &this.ctx.shared.metrics;
+            m.e2e.observe(this.ctx.arrival.elapsed().as_secs_f64());
+            m.request(this.ctx.api.label(), 200);
+        }
+        if buf.is_empty() {
+            if this.ended { Poll::Ready(None) } else { Poll::Pending }
+        } else {
+            Poll::Ready(Some(Ok(Frame::data(buf.freeze()))))
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+}

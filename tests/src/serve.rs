@@ -1,0 +1,224 @@
+//! Helpers for tests of `kvx serve`: the server process on an ephemeral port, a minimal
+//! HTTP/1.1 client on plain sockets (so tests control every byte and can hang up mid-stream),
+//! SSE parsing and `/metrics` look-ups.
+
+use std::process::Command;
+
+use crate::{kvx_bin, test_model};
+
+/// A `kvx serve` process on an ephemeral port of 127.0.0.1, killed when dropped.
+#[derive(Debug)]
+pub struct Served {
+    child: std::process::Child,
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+    /// What the server printed on stdout before the address line.
+    pub banner: String,
+}
+
+impl Served {
+    /// Starts `kvx serve --port 0 --model $KVX_TEST_MODEL ARGS` and waits for its address.
+    pub fn start(args: &[&str]) -> Served {
+        Self::start_env(args, &[])
+    }
+
+    /// Like [`Served::start`] with extra environment variables.
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Served {
+        use std::io::{BufRead, BufReader};
+        let model = test_model();
+        let mut cmd = Command::new(kvx_bin());
+        cmd.arg("serve").arg("--port").arg("0").arg("--model").arg(&model).args(args);
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::inherit());
+        if let Some(home) = std::env::var_os("KVX_HOME") {
+            cmd.env("KVX_HOME", home);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawning kvx serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut banner = String::new();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.strip_prefix("listening on http://") {
+                    let _ = tx.send(Ok((a.trim().to_string(), banner.clone())));
+                } else {
+                    banner.push_str(&line);
+                    banner.push('\n');
+                }
+            }
+            let _ = tx.send(Err(banner));
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(Ok((addr, banner))) => Served { child, addr, banner },
+            other => {
+                let _ = child.kill();
+                panic!("kvx serve did not print its address: {other:?}");
+            }
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the process to exit, up to `timeout`; its exit status if it did.
+    pub fn wait_exit(&mut self, timeout: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let end = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < end {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// `GET path`.
+    pub fn get(&self, path: &str) -> HttpResponse {
+        http(&self.addr, "GET", path, &[], None)
+    }
+
+    /// `POST path` with a JSON body.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> HttpResponse {
+        http(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
+    }
+
+    /// The value of an unlabelled series (or one with exactly these labels) in `/metrics`.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.get("/metrics").text();
+        text.lines().find_map(|l| {
+            let (name, v) = l.rsplit_once(' ')?;
+            (name == series).then(|| v.parse().ok()).flatten()
+        })
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A response read off the socket.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    /// Status code.
+    pub status: u16,
+    /// Headers, names lower-cased.
+    pub headers: Vec<(String, String)>,
+    /// Body (chunked encoding removed).
+    pub body: Vec<u8>,
+}
+
+impl HttpResponse {
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// The body as text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body as JSON (panics with the body when it is not).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.text()))
+    }
+
+    /// The `data:` payloads of an SSE body, `[DONE]` as the string "[DONE]".
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        sse_events(&self.text())
+    }
+}
+
+/// The `data:` payloads of SSE text.
+pub fn sse_events(text: &str) -> Vec<serde_json::Value> {
+    text.split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .map(|d| {
+            if d == "[DONE]" {
+                serde_json::Value::String(d.into())
+            } else {
+                serde_json::from_str(d).unwrap_or_else(|e| panic!("bad SSE data ({e}): {d:?}"))
+            }
+        })
+        .collect()
+}
+
+/// Sends one HTTP/1.1 request (`Connection: close`) and reads the whole response.
+pub fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> HttpResponse {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connecting");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).expect("timeout");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len()));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).expect("writing");
+    if let Some(b) = body {
+        // The server may answer (413) and close before reading everything.
+        let _ = s.write_all(b);
+    }
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    parse_response(&raw)
+}
+
+/// Parses a complete HTTP/1.1 response.
+pub fn parse_response(raw: &[u8]) -> HttpResponse {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .expect("status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+        body = dechunk(&body);
+    }
+    HttpResponse { status, headers, body }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(
+            String::from_utf8_lossy(&b[..eol]).split(';').next().unwrap_or("0").trim(),
+            16,
+        )
+        .unwrap_or(0);
+        b = &b[eol + 2..];
+        if size == 0 || b.len() < size {
+            out.extend_from_slice(&b[..size.min(b.len())]);
+            break;
+        }
+        out.extend_from_slice(&b[..size]);
+        b = b.get(size + 2..).unwrap_or(&[]);
+    }
+    out
+}

@@ -1,0 +1,331 @@
+//! `kvx serve`: the OpenAI-compatible HTTP server over local engine shards (the model on the
+//! CPU kernels, or the mocker's timing model), with graceful shutdown on SIGTERM / Ctrl-C.
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use kvx_engine::mocker::{MockBackend, MockConfig};
+use kvx_engine::scheduler::SchedulerConfig;
+use kvx_engine::{Engine, EngineConfig, EngineError};
+use kvx_ingress::{Dispatcher, IngressConfig, ModelInfo, Server};
+use kvx_kernels::gguf::GgufFile;
+use kvx_kernels::model::{KvCache, LlamaConfig};
+use kvx_router::RouterConfig;
+use kvx_tokenizer::Tokenizer;
+use kvx_worker::{ShardConfig, ShardEvent, ShardHandle};
+
+use super::Runtime;
+use super::engine::{EngineOpts, Loaded, pinned_pool};
+use crate::models::{CATALOGUE, DEFAULT};
+use crate::plane::LocalPlane;
+
+/// What computes tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum EngineKind {
+    /// The model on kvx's CPU kernels.
+    Model,
+    /// The mocker: the real scheduler and KV blocks with a timing model instead of kernels
+    /// (only the model's tokenizer and metadata are read).
+    Mocker,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "KVX_HOST", default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0 = any free port; the bound address is printed).
+    #[arg(long, env = "KVX_PORT", default_value_t = 8000)]
+    port: u16,
+    /// Model name clients use (default: the model's catalogue name or file stem).
+    #[arg(long, env = "KVX_SERVED_MODEL_NAME")]
+    served_model_name: Option<String>,
+    /// Accepted API key (repeatable; `KVX_API_KEYS` takes a comma-separated list). Without
+    /// keys no authentication is asked for.
+    #[arg(long = "api-key", env = "KVX_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    api_keys: Vec<String>,
+    /// Largest request body in bytes (413 above).
+    #[arg(long, env = "KVX_MAX_BODY_BYTES", default_value_t = 8 << 20)]
+    max_body_bytes: usize,
+    /// Seconds running requests get to finish after SIGTERM before they are cancelled.
+    #[arg(long, env = "KVX_SHUTDOWN_GRACE", default_value_t = 30.0)]
+    shutdown_grace: f64,
+    /// Engine shards (default: one per core).
+    #[arg(long, env = "KVX_SHARDS")]
+    shards: Option<usize>,
+    /// Kernel threads per shard (default 1, or --threads).
+    #[arg(long, env = "KVX_THREADS_PER_SHARD")]
+    threads_per_shard: Option<usize>,
+    /// HTTP threads (default: one per core).
+    #[arg(long, env = "KVX_HTTP_THREADS")]
+    http_threads: Option<usize>,
+    /// Requests served at once at most (429 above).
+    #[arg(long, env = "KVX_MAX_INFLIGHT", default_value_t = 4096)]
+    max_inflight: usize,
+    /// What computes tokens.
+    #[arg(long, value_enum, env = "KVX_ENGINE", default_value = "model")]
+    engine: EngineKind,
+    /// Mocker: simulated step times are divided by this (large = near-zero latency).
+    #[arg(long, env = "KVX_SPEEDUP_RATIO", default_value_t = 1.0)]
+    speedup_ratio: f64,
+    /// Mocker: KV blocks per shard (default: as the model would have).
+    #[arg(long, env = "KVX_MOCKER_BLOCKS")]
+    mocker_blocks: Option<usize>,
+    #[command(flatten)]
+    opts: EngineOpts,
+}
+
+/// The name clients use for the model at `path` resolved from `spec`.
+fn model_name(spec: Option<&str>, path: &Path) -> String {
+    match spec {
+        None => DEFAULT.name.to_string(),
+        Some(s) if CATALOGUE.iter().any(|k| k.name == s) => s.to_string(),
+        Some(_) => {
+            let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+            match CATALOGUE.iter().find(|k| k.file == file) {
+                Some(k) => k.name.to_string(),
+                None => path.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
+            }
+        }
+    }
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cores() -> Vec<usize> {
+    core_affinity::get_core_ids().map(|v| v.into_iter().map(|c| c.id).collect()).unwrap_or_default()
+}
+
+fn sched_config(opts: &EngineOpts, context_length: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: opts.block_size.max(1),
+        max_num_seqs: opts.max_num_seqs.max(1),
+        max_batched_tokens: opts.max_batched_tokens.max(1),
+        max_waiting: opts.max_waiting,
+        chunked_prefill: !opts.no_chunked_prefill,
+        max_model_len: context_length,
+        prefix_caching: !opts.no_prefix_caching,
+    }
+}
+
+/// The longest prompt + output one engine takes.
+fn context_limit(sched: &SchedulerConfig, blocks: usize) -> usize {
+    let mut limit = sched.max_model_len.min(blocks * sched.block_size);
+    if !sched.chunked_prefill {
+        limit = limit.min(sched.max_batched_tokens);
+    }
+    limit
+}
+
+struct Shards {
+    handles: Vec<ShardHandle>,
+    context: usize,
+    block_size: usize,
+    tokenizer: Arc<Tokenizer>,
+}
+
+/// Events of every shard for the router, bounded (a full channel drops KV events; the
+/// router sees the gap and asks for a snapshot).
+fn event_channel() -> (SyncSender<ShardEvent>, Receiver<ShardEvent>) {
+    sync_channel(1 << 16)
+}
+
+/// Shard `i` is worker `i + 1` (the plane's numbering).
+fn worker_id(i: usize) -> u64 {
+    i as u64 + 1
+}
+
+fn start_mocker(
+    args: &ServeArgs,
+    path: &Path,
+    n: usize,
+    cores: &[usize],
+    events: &SyncSender<ShardEvent>,
+) -> Result<Shards> {
+    let tokenizer = Arc::new(
+        Tokenizer::from_gguf_path(path)
+            .with_context(|| format!("loading the tokenizer of {}", path.display()))?,
+    );
+    let file = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let cfg = LlamaConfig::from_gguf(&file).context("reading the model's configuration")?;
+    let sched = sched_config(&args.opts, cfg.context_length);
+    let blocks = args.mocker_blocks.unwrap_or_else(|| {
+        let bytes = args.opts.kv_cache_bytes.unwrap_or((1u64 << 30) / n.max(1) as u64);
+        let max_useful = cfg.context_length.max(1).div_ceil(sched.block_size) * sched.max_num_seqs;
+        KvCache::blocks_for_budget(&cfg, sched.block_size, bytes).clamp(1, max_useful.max(1))
+    });
+    let mock = MockConfig {
+        // Metadata may omit the vocabulary size; the tokenizer has it.
+        n_vocab: cfg.n_vocab.max(tokenizer.vocab_size()),
+        n_blocks: blocks.max(1),
+        speedup: args.speedup_ratio,
+        avoid: tokenizer.eog_ids().to_vec(),
+    };
+    let mut handles = Vec::with_capacity(n);
+    for i in 0..n {
+        let (sched, mock, tok) = (sched.clone(), mock.clone(), tokenizer.clone());
+        let make = move || {
+            let ec = EngineConfig { sched, worker_id: worker_id(i) };
+            Ok(Engine::new(ec, Box::new(MockBackend::new(mock)), Some(tok)))
+        };
+        handles.push(spawn_shard(i, cores.get(i).copied(), make, events)?);
+    }
+    Ok(Shards {
+        handles,
+        context: context_limit(&sched, blocks),
+        block_size: sched.block_size,
+        tokenizer,
+    })
+}
+
+fn start_model(
+    args: &ServeArgs,
+    rt: &Runtime,
+    n: usize,
+    tps: usize,
+    cores: &[usize],
+    events: &SyncSender<ShardEvent>,
+) -> Result<Shards> {
+    let loaded: Loaded = args.opts.load(rt)?;
+    let kernels = rt.kernels()?;
+    let sched = args.opts.sched(&loaded.model);
+    let blocks = args.opts.kv_blocks(&loaded.model, n);
+    let mut handles = Vec::with_capacity(n);
+    for i in 0..n {
+        let (opts, loaded2) = (args.opts.clone(), loaded.clone());
+        // Shard i runs on its core; its kernel threads on the next ones.
+        let mine: Vec<usize> = cores.iter().skip(i * tps).take(tps).copied().collect();
+        let core = if mine.len() == tps { mine.first().copied() } else { None };
+        let make = move || -> Result<Engine, EngineError> {
+            let pool = if core.is_some() {
+                pinned_pool(tps, mine)
+            } else {
+                kvx_kernels::par::ThreadPool::new(tps).context("starting kernel threads")
+            }
+            .map_err(|e| EngineError::Internal(format!("{e:#}")))?;
+            opts.engine(&loaded2, kernels, pool, n, worker_id(i))
+                .map_err(|e| EngineError::Internal(format!("{e:#}")))
+        };
+        handles.push(spawn_shard(i, core, make, events)?);
+    }
+    Ok(Shards {
+        handles,
+        context: context_limit(&sched, blocks),
+        block_size: sched.block_size,
+        tokenizer: loaded.tokenizer,
+    })
+}
+
+fn spawn_shard(
+    index: usize,
+    core: Option<usize>,
+    make: impl FnOnce() -> Result<Engine, EngineError> + Send + 'static,
+    events: &SyncSender<ShardEvent>,
+) -> Result<ShardHandle> {
+    let cfg = ShardConfig { index, core, inbox_capacity: 4096 };
+    kvx_worker::spawn(cfg, make, Some(events.clone()))
+        .map_err(|e| anyhow::anyhow!("starting shard {index}: {e}"))
+}
+
+async fn shutdown_signal() {
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    match term {
+        Ok(mut t) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = t.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
+    if !(args.speedup_ratio.is_finite() && args.speedup_ratio > 0.0) {
+        bail!("--speedup-ratio must be a positive number");
+    }
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        bail!("--shutdown-grace must be a non-negative number of seconds");
+    }
+    let t0 = Instant::now();
+    let path = rt.store.resolve(args.opts.model.as_deref())?;
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model_name(args.opts.model.as_deref(), &path));
+    let cores = allowed_cores();
+    let n_cores = cores.len().max(1);
+    let n = args.shards.unwrap_or(n_cores).max(1);
+    let tps = args.threads_per_shard.or(args.opts.threads).unwrap_or(1).max(1);
+    // Pin only when every shard (and its kernel threads) gets cores of its own.
+    let pin: Vec<usize> = if n * tps <= n_cores { cores.clone() } else { Vec::new() };
+    let (ev_tx, ev_rx) = event_channel();
+    let shards = match args.engine {
+        EngineKind::Mocker => start_mocker(&args, &path, n, &pin, &ev_tx)?,
+        EngineKind::Model => start_model(&args, rt, n, tps, &pin, &ev_tx)?,
+    };
+    drop(ev_tx);
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let model = ModelInfo {
+        name: name.clone(),
+        context_length: shards.context,
+        tokenizer: shards.tokenizer.clone(),
+        created,
+    };
+    let router = RouterConfig {
+        block_size: u32::try_from(shards.block_size).context("--block-size is too large")?,
+        ..RouterConfig::default()
+    };
+    let plane = Arc::new(LocalPlane::new(shards.handles, router, ev_rx)?);
+    let dispatcher: Arc<dyn Dispatcher> = plane.clone();
+    let cfg = IngressConfig {
+        addr: SocketAddr::new(args.host, args.port),
+        api_keys: args.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect(),
+        max_body_bytes: args.max_body_bytes,
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        max_inflight: args.max_inflight.max(1),
+    };
+    let keyed = !cfg.api_keys.is_empty();
+    let grace = cfg.shutdown_grace;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.http_threads.unwrap_or(n_cores).max(1))
+        .thread_name("kvx-http")
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    let report = runtime.block_on(async move {
+        let server = Server::bind(cfg, model, dispatcher).await?;
+        let addr = server.local_addr()?;
+        let mut out = std::io::stdout().lock();
+        let auth = if keyed { " -H 'Authorization: Bearer YOUR_KEY'" } else { "" };
+        let _ = writeln!(
+            out,
+            "kvx: serving {name} ({} engine, {n} shard(s), context {}) in {:.1} s\ntry:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\":\"{name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\nlistening on http://{addr}",
+            match args.engine {
+                EngineKind::Model => "model",
+                EngineKind::Mocker => "mocker",
+            },
+            shards.context,
+            t0.elapsed().as_secs_f64(),
+        );
+        let _ = out.flush();
+        drop(out);
+        server.run(shutdown_signal()).await
+    })?;
+    eprintln!(
+        "kvx: shut down ({} request(s) running at the signal, {} cancelled at the deadline)",
+        report.running_at_signal, report.cancelled
+    );
+    runtime.shutdown_timeout(Duration::from_millis(500));
+    // Whatever still runs has had its grace period in ingress.
+    let _ = grace;
+    plane.shutdown(Duration::ZERO);
+    Ok(())
+}
