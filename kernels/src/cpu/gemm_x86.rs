@@ -142,6 +142,11 @@ fn prefetch(w: &[u8], start: usize, len: usize) {
 /// Tiles ahead that the one-token kernels prefetch.
 const PREFETCH_TILES: usize = 2;
 
+/// Row tiles (of 4 rows) ahead that the AVX-512 many-token kernel prefetches: with few
+/// tokens it streams weights from memory (`Q8_0` 49152 × 576 at 4 tokens: 1 tile ahead
+/// 1.27× the dot products, 2 tiles 1.5–2.5×, 4 tiles 1.7×, the steadiest).
+const PREFETCH_ROW_TILES: usize = 4;
+
 // ---------------------------------------------------------------------------------------------
 // AVX-512.
 // ---------------------------------------------------------------------------------------------
@@ -293,8 +298,8 @@ fn batch_512<const KIND: u8>(job: &GemmJob<'_>, rows: Range<usize>) {
     while r0 < rows.end {
         let nr = (rows.end - r0).min(4);
         let rp = row_ptrs::<4>(job, r0, nr);
-        // The next row tile's weights, fetched during the first token tile.
-        let ahead = (r0 + 4) * job.row_bytes;
+        // A later row tile's weights, fetched during the first token tile.
+        let ahead = (r0 + 4 * PREFETCH_ROW_TILES) * job.row_bytes;
         for tile in 0..tiles {
             let t0 = tile * PAIR_TILE;
             let nt = (job.n_tok - t0).min(PAIR_TILE);
@@ -518,7 +523,7 @@ fn imp_run_avx2<const KIND: u8>(job: &GemmJob<'_>, rows: Range<usize>) {
             let nt = (job.n_tok - t0).min(QUAD_TILE);
             let tr = &recs[tile * nb..(tile + 1) * nb];
             let dst = Dst { out: job.out, stride: job.stride, r0, nr, t0, nt };
-            let ahead = if tile == 0 { Some((job.w, (r0 + 2) * job.row_bytes)) } else { None };
+            let ahead = if tile == 0 { Some((job.w, (r0 + 8) * job.row_bytes)) } else { None };
             match nt {
                 1 => tile_avx2::<KIND, 2, 1>(&rp, tr, &dst, ahead),
                 2 => tile_avx2::<KIND, 2, 2>(&rp, tr, &dst, ahead),
