@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Frontend overhead: `kvx serve --engine mocker` at a near-infinite speedup against Dynamo
-# 1.6.1's frontend with its mocker (`--speedup-ratio 0`: no simulated delay), on the same
+# Frontend overhead: `kvx serve --engine mocker` against Dynamo 1.6.1's frontend with its
+# mocker, both at `--speedup-ratio 1e9` (no simulated delay to speak of; Dynamo 1.6.1's
+# documented `0 = infinite` still waits out real-time decode steps), on the same
 # machine, driven by the same load generator (`kvx bench`) in the same script, alternating,
 # RUNS runs each. Reports medians of:
 #   * requests/s in a closed loop at --concurrency C (throughput), and their ratio;
@@ -53,6 +54,10 @@ CLIENT_CPUS=${CLIENT_CPUS:-1}
 KVX_PORT=${KVX_PORT:-18100}
 DYN_PORT=${DYN_PORT:-18101}
 NAME=smollm2
+# kvx's mocker goes through the engine's real sampler (Dynamo's picks token ids directly); over
+# a small vocabulary that costs microseconds per token instead of a full-vocabulary softmax.
+# Requests send ignore_eos, so both servers generate exactly --osl tokens.
+MOCKER_VOCAB=${MOCKER_VOCAB:-1024}
 
 if ! "$DYN_VENV/bin/python" -c 'import dynamo.frontend, dynamo.mocker, gguf' 2>/dev/null; then
   echo "== installing Dynamo 1.6.1 into $DYN_VENV"
@@ -108,7 +113,8 @@ bench() { # URL TAG
 for i in $(seq 1 "$RUNS"); do
   echo "== run $i: kvx serve (load $(cut -d' ' -f1 /proc/loadavg))"
   taskset -c "$SERVER_CPUS" "$KVX" serve --model "$MODEL" --served-model-name "$NAME" \
-    --engine mocker --speedup-ratio 1e9 --host 127.0.0.1 --port "$KVX_PORT" \
+    --engine mocker --speedup-ratio 1e9 --mocker-vocab "$MOCKER_VOCAB" \
+    --host 127.0.0.1 --port "$KVX_PORT" \
     > "$OUT/kvx_server_$i.log" 2>&1 &
   PIDS+=($!)
   wait_model "http://127.0.0.1:$KVX_PORT"
@@ -122,7 +128,7 @@ for i in $(seq 1 "$RUNS"); do
     --event-plane zmq > "$OUT/dyn_frontend_$i.log" 2>&1 &
   PIDS+=($!)
   DYN_FILE_KV="$kvdir" taskset -c "$SERVER_CPUS" "$DYN_VENV/bin/python" -m dynamo.mocker \
-    --model-path "$OUT/hf" --model-name "$NAME" --speedup-ratio 0 --discovery-backend file \
+    --model-path "$OUT/hf" --model-name "$NAME" --speedup-ratio 1e9 --discovery-backend file \
     --request-plane tcp --event-plane zmq > "$OUT/dyn_mocker_$i.log" 2>&1 &
   PIDS+=($!)
   wait_model "http://127.0.0.1:$DYN_PORT"

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -31,8 +32,8 @@ pub enum WorkloadConfig {
         /// Distinct prompts generated; requests cycle through them.
         prompts: usize,
     },
-    /// `prefixes` shared prefixes of `prefix_tokens` each, every prompt one of them plus a
-    /// unique suffix.
+    /// `prefixes` shared prefixes of `prefix_tokens` each, every prompt one of them (each
+    /// prefix equally often, in random order) plus a unique suffix.
     SharedPrefix {
         /// Number of distinct prefixes.
         prefixes: usize,
@@ -228,9 +229,12 @@ impl Dataset {
                     })
                     .map(|p| p.and_then(|p| synth.codec().encode(&p.text)))
                     .collect::<Result<_, _>>()?;
+                // Every prefix equally often, in random order.
+                let mut order: Vec<usize> = (0..*prompts).map(|i| i % heads.len()).collect();
+                order.shuffle(&mut rng);
                 let mut convs = Vec::with_capacity(*prompts);
-                for i in 0..*prompts {
-                    let head = &heads[i % heads.len()];
+                for &h in &order {
+                    let head = &heads[h];
                     let n = suffix.sample(&mut rng);
                     let mut ids = head.clone();
                     ids.extend(synth.sample_ids(n as usize, &mut rng));

@@ -33,6 +33,11 @@ pub trait Backend: Send {
     fn n_vocab(&self) -> usize;
     /// KV blocks the backend holds.
     fn n_blocks(&self) -> usize;
+    /// Prompt token ids must be below this (the embedding table's rows; a backend that
+    /// computes nothing from token ids may accept any).
+    fn prompt_vocab(&self) -> usize {
+        self.n_vocab()
+    }
 }
 
 /// The real model on the CPU kernels.
@@ -315,8 +320,8 @@ impl Engine {
         if req.logprobs.is_some_and(|n| n > 20) {
             return Err(EngineError::BadRequest("top_logprobs must be at most 20".into()));
         }
-        let vocab = self.backend.n_vocab() as u32;
-        if let Some(&t) = req.prompt.iter().find(|&&t| t >= vocab) {
+        let vocab = self.backend.prompt_vocab();
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::BadRequest(format!(
                 "prompt token {t} is outside the vocabulary of {vocab}"
             )));

@@ -1,11 +1,13 @@
 //! kvx-proto: plain data shared by every kvx crate — ids, token-block hashing, KV events, load
-//! reports, the request plane's messages and their versioned wire frames. No I/O, no async.
+//! reports, the request plane's messages, the worker planes' frame kinds and their versioned
+//! wire frames. No I/O, no async.
 
 #![forbid(unsafe_code)]
 
 pub mod events;
 pub mod hashing;
 pub mod load;
+pub mod plane;
 pub mod request;
 pub mod wire;
 

@@ -16,7 +16,7 @@ use kvx_engine::block_pool::BlockEvent;
 use kvx_engine::{Engine, EngineError, EngineStats};
 use kvx_proto::{
     ErrorClass, GenerateRequest, KvEvent, KvEventData, LoadReport, Output, OutputDelta, RequestId,
-    StorageTier, StoredBlock,
+    StorageTier, StoredBlock, WorkerId, WorkerMetrics,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -29,14 +29,24 @@ pub enum ShardEvent {
     /// A KV event of the shard's block pool.
     Kv(KvEvent),
     /// A request produced its first token (its prefill is done).
-    FirstToken(RequestId),
+    FirstToken {
+        /// The shard's worker id.
+        worker_id: WorkerId,
+        /// The request.
+        id: RequestId,
+    },
     /// A request ended (finished, failed or cancelled).
-    Finished(RequestId),
+    Finished {
+        /// The shard's worker id.
+        worker_id: WorkerId,
+        /// The request.
+        id: RequestId,
+    },
     /// Every cached block, answering [`Command::Snapshot`]: `(parent, block)`, parents first;
     /// `last_event_id` is the id of the last KV event sent before it.
     Snapshot {
         /// The worker.
-        worker_id: u64,
+        worker_id: WorkerId,
         /// Events up to this id are reflected in the snapshot.
         last_event_id: u64,
         /// The blocks.
@@ -88,6 +98,22 @@ pub struct ShardStatus {
     pub stats: EngineStats,
     /// Requests in the shard (queued or running).
     pub requests: usize,
+}
+
+impl ShardStatus {
+    /// The status as the planes report it.
+    pub fn metrics(&self) -> WorkerMetrics {
+        WorkerMetrics {
+            load: self.load,
+            prompt_tokens: self.stats.prompt_tokens,
+            cached_tokens: self.stats.cached_tokens,
+            prefill_tokens: self.stats.prefill_tokens,
+            generated_tokens: self.stats.generated_tokens,
+            preemptions: self.stats.preemptions,
+            finished: self.stats.finished,
+            steps: self.stats.steps,
+        }
+    }
 }
 
 /// The owner's side of a shard.
@@ -212,7 +238,7 @@ struct Loop {
     status: Arc<Mutex<ShardStatus>>,
     events: Option<SyncSender<ShardEvent>>,
     next_event: u64,
-    worker_id: u64,
+    worker_id: WorkerId,
     draining: Option<Instant>,
 }
 
@@ -341,7 +367,10 @@ impl Loop {
             let Some(sink) = self.sinks.get(&ev.id) else { continue };
             let mut ok = true;
             if ev.token.is_some() && ev.usage.completion_tokens == 1 {
-                notify(&self.events, ShardEvent::FirstToken(ev.id));
+                notify(
+                    &self.events,
+                    ShardEvent::FirstToken { worker_id: self.worker_id, id: ev.id },
+                );
             }
             if let Some(t) = ev.token {
                 let logprobs = if ev.top.is_empty() {
@@ -359,7 +388,7 @@ impl Loop {
             if let Some(reason) = ev.finish {
                 let _ = sink.send(Output::Finished { reason, usage: ev.usage });
                 self.sinks.remove(&ev.id);
-                notify(&self.events, ShardEvent::Finished(ev.id));
+                notify(&self.events, ShardEvent::Finished { worker_id: self.worker_id, id: ev.id });
             } else if !ok {
                 gone.push(ev.id);
             }
@@ -370,7 +399,7 @@ impl Loop {
         for id in gone {
             self.sinks.remove(&id);
             self.engine.cancel(id);
-            self.notify(ShardEvent::Finished(id));
+            self.notify(ShardEvent::Finished { worker_id: self.worker_id, id });
         }
         self.publish_events();
     }

@@ -4,6 +4,7 @@ mod cmd;
 mod models;
 #[allow(dead_code)]
 mod plane;
+mod remote;
 
 use clap::Parser;
 

@@ -104,10 +104,10 @@ fn feed(s: &Shared, events: &Receiver<ShardEvent>) {
                             resync.push(worker);
                         }
                     }
-                    ShardEvent::FirstToken(id) => {
+                    ShardEvent::FirstToken { id, .. } => {
                         r.mark_prefill_done(id);
                     }
-                    ShardEvent::Finished(id) => {
+                    ShardEvent::Finished { id, .. } => {
                         r.free(id);
                     }
                     ShardEvent::Snapshot { worker_id, last_event_id, blocks } => {
@@ -237,25 +237,29 @@ impl Dispatcher for LocalPlane {
     }
 
     fn router_metrics(&self) -> Vec<(&'static str, f64)> {
-        let r = self.router();
-        let m = r.metrics();
-        let idx = r.index_stats();
-        vec![
-            ("router_decisions_total", m.decisions as f64),
-            ("router_hit_rate", m.hit_rate()),
-            ("router_overlap_blocks_per_decision", m.overlap_per_decision()),
-            ("router_index_blocks", idx.blocks as f64),
-            ("router_index_nodes", idx.nodes as f64),
-            (
-                "router_decision_latency_p50_us",
-                m.decision_latency.quantile_upper_us(0.5).unwrap_or(0) as f64,
-            ),
-            (
-                "router_decision_latency_p99_us",
-                m.decision_latency.quantile_upper_us(0.99).unwrap_or(0) as f64,
-            ),
-        ]
+        router_metrics(&self.router())
     }
+}
+
+/// The router's counters as `/metrics` shows them.
+pub(crate) fn router_metrics(r: &Router) -> Vec<(&'static str, f64)> {
+    let m = r.metrics();
+    let idx = r.index_stats();
+    vec![
+        ("router_decisions_total", m.decisions as f64),
+        ("router_hit_rate", m.hit_rate()),
+        ("router_overlap_blocks_per_decision", m.overlap_per_decision()),
+        ("router_index_blocks", idx.blocks as f64),
+        ("router_index_nodes", idx.nodes as f64),
+        (
+            "router_decision_latency_p50_us",
+            m.decision_latency.quantile_upper_us(0.5).unwrap_or(0) as f64,
+        ),
+        (
+            "router_decision_latency_p99_us",
+            m.decision_latency.quantile_upper_us(0.99).unwrap_or(0) as f64,
+        ),
+    ]
 }
 
 impl Drop for LocalPlane {

@@ -30,6 +30,8 @@ pub(crate) enum BenchCommand {
     Compare(CompareArgs),
     /// KV transfer bandwidth and latency (shm, tcp, file backends).
     Xfer(super::bench_xfer::XferArgs),
+    /// Prompt processing and generation speed of the engine (like llama-bench).
+    Engine(super::bench_engine::EngineBenchArgs),
 }
 
 /// Workload kinds.
@@ -336,7 +338,7 @@ impl RunArgs {
     }
 }
 
-pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub(crate) fn run(args: BenchArgs, rt: &super::Runtime) -> anyhow::Result<()> {
     match args.command {
         None => run_bench(&args.run),
         Some(BenchCommand::Run(run)) => run_bench(&run),
@@ -355,6 +357,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             Ok(())
         }
         Some(BenchCommand::Xfer(x)) => super::bench_xfer::run(x),
+        Some(BenchCommand::Engine(e)) => super::bench_engine::run(e, rt),
     }
 }
 

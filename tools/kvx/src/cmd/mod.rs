@@ -11,11 +11,15 @@ use kvx_kernels::cpu::{self, Kernels, SimdLevel};
 use crate::models::{Store, default_home};
 
 mod bench;
+mod bench_engine;
 mod bench_xfer;
 mod engine;
+mod frontend;
 mod generate;
 mod model;
+mod router_opts;
 mod serve;
+mod worker;
 
 /// kvx: a distributed LLM inference appliance.
 #[derive(Debug, Parser)]
@@ -53,6 +57,10 @@ pub(crate) enum Command {
     Bench(Box<bench::BenchArgs>),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(Box<serve::ServeArgs>),
+    /// The HTTP API and router over remote workers (`kvx worker` processes).
+    Frontend(Box<frontend::FrontendArgs>),
+    /// Engine shards (the model, or mock engines) serving a frontend.
+    Worker(Box<worker::WorkerArgs>),
 }
 
 /// Settings every command shares, resolved once from the global flags.
@@ -96,7 +104,9 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Tokenize(a) => generate::tokenize(a, &rt),
         Command::Model(a) => model::run(a, &rt.store),
         Command::Serve(a) => serve::run(*a, &rt),
-        Command::Bench(a) => bench::run(*a),
+        Command::Bench(a) => bench::run(*a, &rt),
+        Command::Frontend(a) => frontend::run(*a, &rt),
+        Command::Worker(a) => worker::run(*a, &rt),
     }
 }
 

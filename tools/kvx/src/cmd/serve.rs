@@ -77,6 +77,11 @@ pub(crate) struct ServeArgs {
     /// Mocker: KV blocks per shard (default: as the model would have).
     #[arg(long, env = "KVX_MOCKER_BLOCKS")]
     mocker_blocks: Option<usize>,
+    /// Mocker: generated token ids are drawn below this (0 = the model's whole vocabulary).
+    /// The engine samples over this many logits per token, so a small value (e.g. 1024)
+    /// keeps the mocker's per-token cost near zero for load tests of everything around it.
+    #[arg(long, env = "KVX_MOCKER_VOCAB", default_value_t = 0)]
+    mocker_vocab: usize,
     #[command(flatten)]
     opts: EngineOpts,
 }
@@ -161,7 +166,10 @@ fn start_mocker(
     });
     let mock = MockConfig {
         // Metadata may omit the vocabulary size; the tokenizer has it.
-        n_vocab: cfg.n_vocab.max(tokenizer.vocab_size()),
+        n_vocab: {
+            let full = cfg.n_vocab.max(tokenizer.vocab_size()).max(1);
+            if args.mocker_vocab == 0 { full } else { args.mocker_vocab.min(full) }
+        },
         n_blocks: blocks.max(1),
         speedup: args.speedup_ratio,
         avoid: tokenizer.eog_ids().to_vec(),

@@ -1,0 +1,557 @@
+//! The worker side of the remote planes: this process's shards joined to a frontend over one
+//! TCP connection (see [`kvx_proto::plane`] for the messages).
+//!
+//! [`serve`] connects to the frontend, registers every hosted shard as its own worker id and
+//! then, until shutdown:
+//!
+//! * runs the requests the frontend submits on their shard and streams each one's outputs
+//!   back (one small forwarding task per request; the socket's outgoing queue is bounded, so
+//!   a slow frontend slows the forwarders rather than growing memory);
+//! * relays the shards' [`ShardEvent`]s: KV events in batches (dropped when the queue is full:
+//!   the frontend sees the event-id gap and asks for a snapshot), first-token and finished
+//!   notes, snapshots;
+//! * sends each shard's load when it changes (at most every `load_interval`) and a heartbeat
+//!   every `heartbeat`, and declares the frontend dead after `heartbeat_timeout` of silence.
+//!
+//! When the connection is lost, the requests it carried are cancelled (their forwarders drop
+//! their output channels, which the shards notice at their next step), and the worker
+//! reconnects with exponential backoff and registers again; the frontend then asks each
+//! shard for a snapshot of its cached blocks.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvx_proto::plane::{
+    Cancel, Heartbeat, KvEvents, Load, Note, NoteKind, OutputMsg, Register, Registered, Snapshot,
+    SnapshotRequest, Submit, kind,
+};
+use kvx_proto::wire::{self, WireError};
+use kvx_proto::{ErrorClass, KvEvent, Output, RequestId, WorkerId, WorkerMetrics};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::sync::{mpsc, watch};
+
+use crate::shard::{Command, ShardEvent, ShardHandle, SubmitError};
+
+/// How the worker meets its frontend.
+#[derive(Debug)]
+pub enum Link {
+    /// Dial the frontend's worker address (`host:port`), again after every loss.
+    Connect(String),
+    /// Wait for the frontend to dial this listener (a static worker list), again after
+    /// every loss.
+    Listen(tokio::net::TcpListener),
+}
+
+impl Link {
+    async fn open(&self) -> std::io::Result<TcpStream> {
+        match self {
+            Link::Connect(addr) => TcpStream::connect(addr).await,
+            Link::Listen(l) => l.accept().await.map(|(s, _)| s),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Link::Connect(addr) => addr.clone(),
+            Link::Listen(l) => {
+                l.local_addr().map_or_else(|_| "a listener".into(), |a| format!("listener {a}"))
+            }
+        }
+    }
+}
+
+/// Settings of the remote planes, worker side.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// The served model's name, as the frontend knows it.
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Heartbeat period.
+    pub heartbeat: Duration,
+    /// A frontend silent this long is dead.
+    pub heartbeat_timeout: Duration,
+    /// Load reports per shard at most this often (and at least every second).
+    pub load_interval: Duration,
+    /// First reconnection delay (doubled up to `reconnect_max`).
+    pub reconnect_min: Duration,
+    /// Longest reconnection delay.
+    pub reconnect_max: Duration,
+    /// Largest frame accepted.
+    pub max_frame: usize,
+    /// Outputs queued for the socket at most.
+    pub output_queue: usize,
+    /// Shard events queued for the socket at most.
+    pub event_queue: usize,
+    /// Give token deltas without text a synthetic text (` t<id>` per token): for
+    /// tokenizer-free mock engines, whose clients still want to see something arrive.
+    pub synthetic_text: bool,
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        RemoteConfig {
+            model: String::new(),
+            block_size: 16,
+            heartbeat: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(5),
+            load_interval: Duration::from_millis(100),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(2),
+            max_frame: wire::MAX_FRAME,
+            output_queue: 4096,
+            event_queue: 1 << 16,
+            synthetic_text: false,
+        }
+    }
+}
+
+/// A shard served to the frontend.
+#[derive(Debug)]
+pub struct Hosted {
+    /// Its worker id (the engine's).
+    pub worker_id: WorkerId,
+    /// KV blocks of its pool.
+    pub kv_blocks: u32,
+    /// Requests it runs at once at most.
+    pub max_num_seqs: u32,
+    /// The shard.
+    pub shard: ShardHandle,
+}
+
+/// Why the worker stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// Nothing to serve.
+    #[error("no shard to serve")]
+    NoShards,
+    /// The frontend refused a shard (another model or block size, or a taken id).
+    #[error("the frontend refused worker {worker}: {reason}")]
+    Rejected {
+        /// The worker.
+        worker: WorkerId,
+        /// The frontend's reason.
+        reason: String,
+    },
+    /// The events thread could not start.
+    #[error("starting the events thread: {0}")]
+    Thread(std::io::Error),
+}
+
+struct Ctx {
+    cfg: RemoteConfig,
+    shards: Vec<Hosted>,
+    by_id: HashMap<WorkerId, usize>,
+}
+
+impl Ctx {
+    fn shard(&self, w: WorkerId) -> Option<&ShardHandle> {
+        self.by_id.get(&w).map(|&i| &self.shards[i].shard)
+    }
+}
+
+/// How a session ended.
+enum End {
+    Shutdown,
+    ShardsStopped,
+    Lost(String),
+    Rejected { worker: WorkerId, reason: String },
+}
+
+/// Serves `shards` to the frontend met through `link` until `stop` turns true (or every
+/// shard stops). `events` is the receiving end of the channel the shards were spawned with.
+/// Returns the shards so the caller can shut them down.
+pub async fn serve(
+    cfg: RemoteConfig,
+    shards: Vec<Hosted>,
+    events: std::sync::mpsc::Receiver<ShardEvent>,
+    link: Link,
+    mut stop: watch::Receiver<bool>,
+) -> (Vec<Hosted>, Result<(), RemoteError>) {
+    if shards.is_empty() {
+        return (shards, Err(RemoteError::NoShards));
+    }
+    let (ev_tx, mut ev_rx) = mpsc::channel(cfg.event_queue.max(1));
+    if let Err(e) = std::thread::Builder::new()
+        .name("kvx-plane-events".into())
+        .spawn(move || pump(events, ev_tx))
+    {
+        return (shards, Err(RemoteError::Thread(e)));
+    }
+    let by_id = shards.iter().enumerate().map(|(i, h)| (h.worker_id, i)).collect();
+    let ctx = Arc::new(Ctx { cfg, shards, by_id });
+    let result = run(&ctx, &link, &mut ev_rx, &mut stop).await;
+    let shards = match Arc::try_unwrap(ctx) {
+        Ok(ctx) => ctx.shards,
+        Err(ctx) => {
+            // Forwarding tasks still hold the context; they end once their channels close.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut ctx = ctx;
+            loop {
+                match Arc::try_unwrap(ctx) {
+                    Ok(c) => break c.shards,
+                    Err(c) if Instant::now() < deadline => {
+                        ctx = c;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err(_) => break Vec::new(),
+                }
+            }
+        }
+    };
+    (shards, result)
+}
+
+async fn run(
+    ctx: &Arc<Ctx>,
+    link: &Link,
+    ev_rx: &mut mpsc::Receiver<ShardEvent>,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), RemoteError> {
+    let cfg = &ctx.cfg;
+    let mut backoff = cfg.reconnect_min;
+    let mut warned = false;
+    loop {
+        let conn = tokio::select! {
+            _ = stop.wait_for(|s| *s) => return Ok(()),
+            c = link.open() => c,
+        };
+        match conn {
+            Ok(stream) => {
+                backoff = cfg.reconnect_min;
+                warned = false;
+                tracing::info!(frontend = %link.describe(), workers = ctx.shards.len(), "connected");
+                match session(ctx, stream, ev_rx, stop).await {
+                    End::Shutdown => return Ok(()),
+                    End::ShardsStopped => {
+                        tracing::warn!("every shard has stopped");
+                        return Ok(());
+                    }
+                    End::Rejected { worker, reason } => {
+                        return Err(RemoteError::Rejected { worker, reason });
+                    }
+                    End::Lost(why) => {
+                        tracing::warn!(frontend = %link.describe(), reason = %why, "connection lost");
+                    }
+                }
+            }
+            Err(e) => {
+                if !warned {
+                    tracing::warn!(frontend = %link.describe(), error = %e, "cannot reach the frontend; retrying");
+                    warned = true;
+                }
+            }
+        }
+        // Wait out the backoff; shard events meanwhile are dropped (the frontend asks for
+        // snapshots when the shards register again).
+        let until = tokio::time::Instant::now() + backoff;
+        loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return Ok(()),
+                _ = tokio::time::sleep_until(until) => break,
+                e = ev_rx.recv() => if e.is_none() { return Ok(()) },
+            }
+        }
+        backoff = (backoff * 2).min(cfg.reconnect_max);
+    }
+}
+
+/// Relays shard events into the async side: KV events are dropped when the queue is full,
+/// notes and snapshots wait (they must not be lost).
+fn pump(events: std::sync::mpsc::Receiver<ShardEvent>, tx: mpsc::Sender<ShardEvent>) {
+    while let Ok(e) = events.recv() {
+        let ok = match e {
+            ShardEvent::Kv(_) => {
+                !matches!(tx.try_send(e), Err(mpsc::error::TrySendError::Closed(_)))
+            }
+            other => tx.blocking_send(other).is_ok(),
+        };
+        if !ok {
+            return;
+        }
+    }
+}
+
+/// A message for the socket from a request's forwarding task.
+struct Up(RequestId, Output);
+
+/// Frames are written once this many bytes are buffered, or when nothing else is waiting.
+const WRITE_BATCH: usize = 256 << 10;
+/// KV events per frame at most.
+const KV_BATCH: usize = 512;
+
+async fn session(
+    ctx: &Arc<Ctx>,
+    stream: TcpStream,
+    ev_rx: &mut mpsc::Receiver<ShardEvent>,
+    stop: &mut watch::Receiver<bool>,
+) -> End {
+    let cfg = &ctx.cfg;
+    let _ = stream.set_nodelay(true);
+    let (rd, mut wr) = stream.into_split();
+    let (up_tx, mut up_rx) = mpsc::channel::<Up>(cfg.output_queue.max(1));
+    let epoch = Instant::now();
+    let last_rx = Arc::new(AtomicU64::new(0));
+    let mut reader = tokio::spawn(read_loop(ctx.clone(), rd, up_tx, last_rx.clone(), epoch));
+
+    let mut buf = Vec::with_capacity(64 << 10);
+    for h in &ctx.shards {
+        let reg = Register {
+            worker_id: h.worker_id,
+            model: cfg.model.clone(),
+            block_size: cfg.block_size,
+            kv_blocks: h.kv_blocks,
+            max_num_seqs: h.max_num_seqs,
+        };
+        put(kind::REGISTER, &reg, &mut buf);
+    }
+    let mut hb = tokio::time::interval(cfg.heartbeat);
+    hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut load_tick = tokio::time::interval(cfg.load_interval);
+    load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sent_loads: Vec<Option<(WorkerMetrics, Instant)>> = vec![None; ctx.shards.len()];
+    let mut kv: Vec<KvEvent> = Vec::new();
+    let mut hb_seq = 0u64;
+    let end = loop {
+        if !buf.is_empty() {
+            if let Err(e) = wr.write_all(&buf).await {
+                break End::Lost(format!("writing: {e}"));
+            }
+            buf.clear();
+        }
+        tokio::select! {
+            r = &mut reader => break r.unwrap_or_else(|e| End::Lost(format!("reader: {e}"))),
+            _ = stop.wait_for(|s| *s) => break End::Shutdown,
+            Some(Up(id, output)) = up_rx.recv() => put(kind::OUTPUT, &OutputMsg { id, output }, &mut buf),
+            e = ev_rx.recv() => match e {
+                Some(e) => event(e, &mut kv, &mut buf),
+                None => break End::ShardsStopped,
+            },
+            _ = hb.tick() => {
+                let silent = epoch.elapsed().saturating_sub(Duration::from_millis(last_rx.load(Ordering::Relaxed)));
+                if silent > cfg.heartbeat_timeout {
+                    break End::Lost(format!("no word from the frontend for {silent:?}"));
+                }
+                hb_seq += 1;
+                put(kind::HEARTBEAT, &Heartbeat { seq: hb_seq }, &mut buf);
+            }
+            _ = load_tick.tick() => loads(ctx, &mut sent_loads, &mut buf),
+        }
+        // Take what is already waiting, up to a batch.
+        while buf.len() < WRITE_BATCH {
+            match up_rx.try_recv() {
+                Ok(Up(id, output)) => put(kind::OUTPUT, &OutputMsg { id, output }, &mut buf),
+                Err(_) => break,
+            }
+        }
+        while buf.len() < WRITE_BATCH {
+            match ev_rx.try_recv() {
+                Ok(e) => event(e, &mut kv, &mut buf),
+                Err(_) => break,
+            }
+        }
+        flush_kv(&mut kv, &mut buf);
+    };
+    reader.abort();
+    end
+}
+
+fn put<T: serde::Serialize>(k: u8, msg: &T, buf: &mut Vec<u8>) {
+    if let Err(e) = wire::encode(k, msg, buf) {
+        tracing::error!(kind = k, error = %e, "encoding a frame");
+    }
+}
+
+fn flush_kv(kv: &mut Vec<KvEvent>, buf: &mut Vec<u8>) {
+    if !kv.is_empty() {
+        put(kind::KV_EVENTS, &KvEvents { events: std::mem::take(kv) }, buf);
+    }
+}
+
+fn event(e: ShardEvent, kv: &mut Vec<KvEvent>, buf: &mut Vec<u8>) {
+    match e {
+        ShardEvent::Kv(ev) => {
+            kv.push(ev);
+            if kv.len() >= KV_BATCH {
+                flush_kv(kv, buf);
+            }
+        }
+        ShardEvent::FirstToken { worker_id, id } => {
+            flush_kv(kv, buf);
+            put(kind::NOTE, &Note { worker_id, id, note: NoteKind::FirstToken }, buf);
+        }
+        ShardEvent::Finished { worker_id, id } => {
+            flush_kv(kv, buf);
+            put(kind::NOTE, &Note { worker_id, id, note: NoteKind::Finished }, buf);
+        }
+        ShardEvent::Snapshot { worker_id, last_event_id, blocks } => {
+            flush_kv(kv, buf);
+            put(kind::SNAPSHOT, &Snapshot { worker_id, last_event_id, blocks }, buf);
+        }
+    }
+}
+
+fn loads(ctx: &Ctx, sent: &mut [Option<(WorkerMetrics, Instant)>], buf: &mut Vec<u8>) {
+    let now = Instant::now();
+    for (h, last) in ctx.shards.iter().zip(sent.iter_mut()) {
+        let m = h.shard.status().metrics();
+        let due = match last {
+            Some((prev, at)) => *prev != m || now.duration_since(*at) >= Duration::from_secs(1),
+            None => true,
+        };
+        if due {
+            put(kind::LOAD, &Load { metrics: m }, buf);
+            *last = Some((m, now));
+        }
+    }
+}
+
+async fn read_loop(
+    ctx: Arc<Ctx>,
+    mut rd: OwnedReadHalf,
+    up: mpsc::Sender<Up>,
+    last_rx: Arc<AtomicU64>,
+    epoch: Instant,
+) -> End {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    loop {
+        buf.reserve(64 << 10);
+        match rd.read_buf(&mut buf).await {
+            Ok(0) => return End::Lost("closed by the frontend".into()),
+            Ok(_) => {}
+            Err(e) => return End::Lost(format!("reading: {e}")),
+        }
+        last_rx.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        let mut off = 0;
+        loop {
+            match wire::split(&buf[off..], ctx.cfg.max_frame) {
+                Ok((k, payload, used)) => {
+                    if let Err(end) = handle(&ctx, k, payload, &up).await {
+                        return end;
+                    }
+                    off += used;
+                }
+                Err(WireError::Incomplete) => break,
+                Err(e) => return End::Lost(format!("bad frame from the frontend: {e}")),
+            }
+        }
+        buf.drain(..off);
+    }
+}
+
+fn bad(k: u8, e: WireError) -> End {
+    End::Lost(format!("malformed frame of kind {k} from the frontend: {e}"))
+}
+
+async fn handle(ctx: &Arc<Ctx>, k: u8, payload: &[u8], up: &mpsc::Sender<Up>) -> Result<(), End> {
+    match k {
+        kind::SUBMIT => {
+            let s: Submit = wire::decode(payload).map_err(|e| bad(k, e))?;
+            let id = s.request.id;
+            let refused = match ctx.shard(s.worker_id) {
+                None => Some((ErrorClass::Unavailable, format!("no worker {} here", s.worker_id))),
+                Some(shard) => {
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    match shard.submit(s.request, tx) {
+                        Ok(()) => {
+                            tokio::spawn(forward(id, rx, up.clone(), ctx.cfg.synthetic_text));
+                            None
+                        }
+                        Err(SubmitError::Full) => {
+                            Some((ErrorClass::Overloaded, SubmitError::Full.to_string()))
+                        }
+                        Err(SubmitError::Closed) => {
+                            Some((ErrorClass::Unavailable, SubmitError::Closed.to_string()))
+                        }
+                    }
+                }
+            };
+            if let Some((class, message)) = refused {
+                let _ = up.send(Up(id, Output::Error { class, message })).await;
+            }
+        }
+        kind::CANCEL => {
+            let c: Cancel = wire::decode(payload).map_err(|e| bad(k, e))?;
+            if let Some(shard) = ctx.shard(c.worker_id) {
+                shard.cancel(c.id);
+            }
+        }
+        kind::SNAPSHOT_REQUEST => {
+            let r: SnapshotRequest = wire::decode(payload).map_err(|e| bad(k, e))?;
+            if let Some(shard) = ctx.shard(r.worker_id) {
+                shard.send(Command::Snapshot);
+            }
+        }
+        kind::REGISTERED => {
+            let r: Registered = wire::decode(payload).map_err(|e| bad(k, e))?;
+            if !r.accepted {
+                return Err(End::Rejected { worker: r.worker_id, reason: r.reason });
+            }
+            tracing::debug!(worker = r.worker_id, "registered");
+        }
+        kind::HEARTBEAT => {}
+        other => tracing::debug!(kind = other, "skipping a frame of an unknown kind"),
+    }
+    Ok(())
+}
+
+/// Streams one request's outputs to the socket until its last one (or until the session
+/// ends, which drops the receiver and so cancels the request in its shard).
+async fn forward(
+    id: RequestId,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Output>,
+    up: mpsc::Sender<Up>,
+    synthetic_text: bool,
+) {
+    loop {
+        let out = tokio::select! {
+            o = rx.recv() => o,
+            _ = up.closed() => return,
+        };
+        let Some(mut out) = out else {
+            let out = Output::Error {
+                class: ErrorClass::Internal,
+                message: "the engine stopped without finishing the request".into(),
+            };
+            let _ = up.send(Up(id, out)).await;
+            return;
+        };
+        let last = !matches!(out, Output::Delta(_));
+        if synthetic_text && let Output::Delta(d) = &mut out {
+            synthesize_text(d);
+        }
+        if up.send(Up(id, out)).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+/// ` t<id>` per token for a delta that has tokens but no text.
+fn synthesize_text(d: &mut kvx_proto::OutputDelta) {
+    if d.text.is_empty() {
+        use std::fmt::Write;
+        for t in &d.tokens {
+            let _ = write!(d.text, " t{t}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_text_fills_only_empty_deltas() {
+        let mut d = kvx_proto::OutputDelta { tokens: vec![3, 14], ..Default::default() };
+        synthesize_text(&mut d);
+        assert_eq!(d.text, " t3 t14");
+        let mut d =
+            kvx_proto::OutputDelta { tokens: vec![3], text: "x".into(), ..Default::default() };
+        synthesize_text(&mut d);
+        assert_eq!(d.text, "x");
+    }
+}

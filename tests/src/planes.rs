@@ -1,0 +1,203 @@
+//! Helpers for the worker-plane tests: a `kvx frontend` and `kvx worker` processes on
+//! 127.0.0.1, each killed when dropped.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use crate::serve::{HttpResponse, http};
+use crate::{kvx_bin, test_model};
+
+/// Heartbeat flags that make lost workers visible within about a second.
+pub const FAST_HEARTBEAT: [&str; 4] = ["--heartbeat-ms", "200", "--heartbeat-timeout-ms", "1000"];
+
+/// Spawns `kvx ARGS` with stdout piped into a channel of lines.
+fn spawn(args: &[String]) -> (Child, Receiver<String>) {
+    let mut cmd = Command::new(kvx_bin());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    if let Some(home) = std::env::var_os("KVX_HOME") {
+        cmd.env("KVX_HOME", home);
+    }
+    let mut child = cmd.spawn().expect("spawning kvx");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Waits for a stdout line starting with `prefix`; returns the rest of it.
+fn wait_line(child: &mut Child, rx: &Receiver<String>, prefix: &str) -> String {
+    let end = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < end {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(line) => {
+                if let Some(rest) = line.strip_prefix(prefix) {
+                    return rest.trim().to_string();
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("kvx exited ({status}) before printing {prefix:?}");
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let _ = child.kill();
+    panic!("kvx did not print {prefix:?}");
+}
+
+/// A `kvx frontend` on ephemeral ports.
+#[derive(Debug)]
+pub struct Frontend {
+    child: Child,
+    /// HTTP address.
+    pub addr: String,
+    /// The address workers join at.
+    pub workers: String,
+}
+
+impl Frontend {
+    /// `kvx frontend --port 0 --worker-listen 127.0.0.1:0 --model $KVX_TEST_MODEL ARGS`.
+    pub fn start(args: &[&str]) -> Frontend {
+        let model = test_model();
+        let mut a: Vec<String> = ["frontend", "--port", "0", "--worker-listen", "127.0.0.1:0"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.push("--model".into());
+        a.push(model.to_string_lossy().into_owned());
+        a.extend(args.iter().map(|s| s.to_string()));
+        let (mut child, rx) = spawn(&a);
+        let workers = wait_line(&mut child, &rx, "workers join at ");
+        let addr = wait_line(&mut child, &rx, "listening on http://");
+        Frontend { child, addr, workers }
+    }
+
+    /// `GET path`.
+    pub fn get(&self, path: &str) -> HttpResponse {
+        http(&self.addr, "GET", path, &[], None)
+    }
+
+    /// `POST path` with a JSON body.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> HttpResponse {
+        http(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
+    }
+
+    /// The value of a series (name with its labels, as printed) in `/metrics`.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.get("/metrics").text();
+        text.lines().find_map(|l| {
+            let (name, v) = l.rsplit_once(' ')?;
+            (name == series).then(|| v.parse().ok()).flatten()
+        })
+    }
+
+    /// Workers registered now.
+    pub fn workers_up(&self) -> usize {
+        self.metric("kvx_router_plane_workers").unwrap_or(0.0) as usize
+    }
+
+    /// Waits until `n` workers are registered (panics after a minute).
+    pub fn wait_workers(&self, n: usize) {
+        let end = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < end {
+            if self.workers_up() == n {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the frontend did not reach {n} worker(s); it has {}", self.workers_up());
+    }
+}
+
+impl Drop for Frontend {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `kvx worker` process.
+#[derive(Debug)]
+pub struct Worker {
+    child: Child,
+    /// Where it listens for a frontend (`--listen` workers only).
+    pub listen: Option<String>,
+}
+
+impl Worker {
+    /// `kvx worker --frontend ADDR --engine mocker --worker-id ID ARGS`, once it has started.
+    pub fn mocker(frontend: &str, worker_id: u64, args: &[&str]) -> Worker {
+        let id = worker_id.to_string();
+        let mut a =
+            vec!["worker", "--frontend", frontend, "--engine", "mocker", "--worker-id", &id];
+        a.extend_from_slice(args);
+        Self::start(&a, false)
+    }
+
+    /// `kvx worker --listen 127.0.0.1:0 --engine mocker --worker-id ID ARGS`.
+    pub fn mocker_listening(worker_id: u64, args: &[&str]) -> Worker {
+        let id = worker_id.to_string();
+        let mut a =
+            vec!["worker", "--listen", "127.0.0.1:0", "--engine", "mocker", "--worker-id", &id];
+        a.extend_from_slice(args);
+        Self::start(&a, true)
+    }
+
+    fn start(args: &[&str], listening: bool) -> Worker {
+        let a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let (mut child, rx) = spawn(&a);
+        let listen = listening.then(|| wait_line(&mut child, &rx, "listening for a frontend at "));
+        wait_line(&mut child, &rx, "kvx: worker serving");
+        Worker { child, listen }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL (`kill -9 PID`), then reaps the process.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`) with `kill -SIGNAL PID`.
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} {} failed", self.pid());
+    }
+
+    /// Waits up to `timeout` for the process to exit; its status if it did.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SIGKILL ends a stopped process too.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,711 @@
+//! The frontend side of the remote planes: workers in other processes (or hosts) behind a
+//! [`Dispatcher`], with the KV-aware router choosing the worker for each request.
+//!
+//! Worker processes connect to the frontend's worker address and register each engine they
+//! host as a worker ([`kvx_proto::plane`] has the messages). Each connection has a reader task
+//! (frames in, applied under one lock: outputs to their clients, KV events, notes, snapshots
+//! and loads to the router) and a writer task (a bounded queue of frames out, and a heartbeat).
+//!
+//! A connection that closes, breaks, or stays silent past the heartbeat timeout is dead: its
+//! workers leave the router, and each of their requests that had not produced a token is
+//! placed again on another worker (transparently to its client); the others end with
+//! `Unavailable: worker … disappeared`. A worker that reports `Overloaded` or `Unavailable`
+//! for a request before its first token gets the request placed elsewhere too. Placements per
+//! request are bounded (`max_attempts`).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
+use kvx_proto::hashing::{BlockHasher, seed_for};
+use kvx_proto::plane::{
+    Cancel, Heartbeat, KvEvents, Load, Note, NoteKind, OutputMsg, Register, Registered, Snapshot,
+    SnapshotRequest, Submit, kind,
+};
+use kvx_proto::wire::{self, WireError};
+use kvx_proto::{
+    ErrorClass, GenerateRequest, Output, RequestId, StorageTier, WorkerId, WorkerMetrics,
+};
+use kvx_router::{RequestBlocks, Router, RouterConfig, SnapshotBlock};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::plane::router_metrics;
+
+/// Settings of the remote planes, frontend side.
+#[derive(Debug, Clone)]
+pub(crate) struct RemoteConfig {
+    /// The served model's name; workers must register with it.
+    pub(crate) model: String,
+    /// Heartbeat period.
+    pub(crate) heartbeat: Duration,
+    /// A worker connection silent this long is dead.
+    pub(crate) heartbeat_timeout: Duration,
+    /// Largest frame accepted.
+    pub(crate) max_frame: usize,
+    /// Frames queued per connection at most (a full queue makes the router try another
+    /// worker, then refuse with `Overloaded`).
+    pub(crate) conn_queue: usize,
+    /// Placements of one request at most (the first one and the retries).
+    pub(crate) max_attempts: u32,
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        RemoteConfig {
+            model: String::new(),
+            heartbeat: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(5),
+            max_frame: wire::MAX_FRAME,
+            conn_queue: 8192,
+            max_attempts: 3,
+        }
+    }
+}
+
+/// A frame for a connection's writer.
+#[derive(Debug)]
+enum Down {
+    Registered(Registered),
+    Submit(Box<Submit>),
+    Cancel(Cancel),
+    Snapshot(WorkerId),
+    /// Close the connection (a newer registration took its worker).
+    Close,
+}
+
+struct Conn {
+    tx: mpsc::Sender<Down>,
+    workers: Vec<WorkerId>,
+    peer: SocketAddr,
+}
+
+struct Worker {
+    conn: u64,
+    metrics: WorkerMetrics,
+}
+
+/// What a request needs to be placed again.
+struct Retry {
+    req: GenerateRequest,
+    blocks: RequestBlocks,
+}
+
+struct Inflight {
+    worker: WorkerId,
+    client: UnboundedSender<Output>,
+    /// Until the first token; then the request can no longer move.
+    retry: Option<Retry>,
+    attempts: u32,
+}
+
+/// Counters of the planes for `/metrics`.
+#[derive(Debug, Default, Clone, Copy)]
+struct Counters {
+    placed_again: u64,
+    failed_worker_lost: u64,
+    workers_lost: u64,
+}
+
+struct State {
+    router: Router,
+    workers: HashMap<WorkerId, Worker>,
+    conns: HashMap<u64, Conn>,
+    inflight: HashMap<RequestId, Inflight>,
+    counters: Counters,
+    max_attempts: u32,
+}
+
+struct Shared {
+    cfg: RemoteConfig,
+    block_size: usize,
+    state: Mutex<State>,
+    start: Instant,
+    next_conn: AtomicU64,
+}
+
+/// Remote workers as one dispatcher.
+pub(crate) struct RemotePlane {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for RemotePlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemotePlane").field("model", &self.shared.cfg.model).finish()
+    }
+}
+
+impl RemotePlane {
+    /// Starts accepting workers on `listener` (inside a tokio runtime).
+    pub(crate) fn start(
+        cfg: RemoteConfig,
+        router: RouterConfig,
+        listener: TcpListener,
+    ) -> anyhow::Result<Arc<Self>> {
+        let block_size = router.block_size as usize;
+        let router =
+            Router::new(router).map_err(|e| anyhow::anyhow!("router configuration: {e}"))?;
+        let max_attempts = cfg.max_attempts.max(1);
+        let shared = Arc::new(Shared {
+            cfg,
+            block_size,
+            state: Mutex::new(State {
+                router,
+                workers: HashMap::new(),
+                conns: HashMap::new(),
+                inflight: HashMap::new(),
+                counters: Counters::default(),
+                max_attempts,
+            }),
+            start: Instant::now(),
+            next_conn: AtomicU64::new(1),
+        });
+        tokio::spawn(accept_loop(shared.clone(), listener));
+        tokio::spawn(maintenance(shared.clone()));
+        Ok(Arc::new(RemotePlane { shared }))
+    }
+
+    /// Connects to a worker process listening at `addr` (the static-list direction), and
+    /// again whenever the connection is lost.
+    pub(crate) fn dial(&self, addr: String) {
+        tokio::spawn(dial_loop(self.shared.clone(), addr));
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn now(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+impl State {
+    /// Places `req` on a worker not in `exclude` — the router's choice first, then the others
+    /// by cost — and sends it there. Returns the worker.
+    fn place(
+        &mut self,
+        req: &GenerateRequest,
+        blocks: &RequestBlocks,
+        now: Duration,
+        exclude: &[WorkerId],
+    ) -> Result<WorkerId, DispatchError> {
+        let t0 = Instant::now();
+        let first = self.router.select(blocks);
+        self.router.record_decision_latency(t0.elapsed());
+        let first = match first {
+            Ok(d) => d,
+            Err(_) => return Err(DispatchError::Unavailable("no worker is connected".into())),
+        };
+        let mut tried_any = false;
+        if !exclude.contains(&first.worker) {
+            tried_any = true;
+            if self.send_submit(first.worker, req) {
+                let _ = self.router.add_request(
+                    req.id,
+                    first.worker,
+                    blocks,
+                    first.overlap_blocks,
+                    now,
+                );
+                return Ok(first.worker);
+            }
+        }
+        let mut others = self.router.potential_loads(blocks);
+        others.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+        for p in others {
+            if p.worker == first.worker || exclude.contains(&p.worker) {
+                continue;
+            }
+            tried_any = true;
+            if self.send_submit(p.worker, req) {
+                let _ = self.router.add_request(req.id, p.worker, blocks, p.overlap_blocks, now);
+                return Ok(p.worker);
+            }
+        }
+        if tried_any {
+            Err(DispatchError::Overloaded("every worker's queue is full".into()))
+        } else {
+            Err(DispatchError::Unavailable("no other worker is connected".into()))
+        }
+    }
+
+    fn send_submit(&self, worker: WorkerId, req: &GenerateRequest) -> bool {
+        let Some(c) = self.workers.get(&worker).and_then(|w| self.conns.get(&w.conn)) else {
+            return false;
+        };
+        let msg = Submit { worker_id: worker, request: req.clone() };
+        c.tx.try_send(Down::Submit(Box::new(msg))).is_ok()
+    }
+
+    fn send(&self, worker: WorkerId, d: Down) {
+        if let Some(c) = self.workers.get(&worker).and_then(|w| self.conns.get(&w.conn)) {
+            let _ = c.tx.try_send(d);
+        }
+    }
+
+    /// Places a request again after its worker failed it (before its first token) or
+    /// disappeared; if it cannot move, its client gets `error`.
+    fn move_or_fail(
+        &mut self,
+        id: RequestId,
+        mut f: Inflight,
+        exclude: &[WorkerId],
+        now: Duration,
+        error: Output,
+    ) {
+        self.router.free(id);
+        if let Some(retry) = f.retry.take()
+            && f.attempts < self.max_attempts
+        {
+            match self.place(&retry.req, &retry.blocks, now, exclude) {
+                Ok(w) => {
+                    tracing::info!(request = %id, from = f.worker, to = w, "request placed again");
+                    self.counters.placed_again += 1;
+                    f.worker = w;
+                    f.attempts += 1;
+                    f.retry = Some(retry);
+                    self.inflight.insert(id, f);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(request = %id, error = %e, "request cannot be placed again")
+                }
+            }
+        }
+        let _ = f.client.send(error);
+    }
+
+    fn on_output(&mut self, conn: u64, m: OutputMsg, now: Duration) {
+        let id = m.id;
+        let Some(f) = self.inflight.get_mut(&id) else { return };
+        if self.workers.get(&f.worker).map(|w| w.conn) != Some(conn) {
+            return; // from an earlier placement
+        }
+        match m.output {
+            Output::Delta(d) => {
+                if f.retry.take().is_some() {
+                    self.router.mark_prefill_done(id);
+                }
+                if f.client.send(Output::Delta(d)).is_err() {
+                    // The client went away.
+                    let w = f.worker;
+                    self.inflight.remove(&id);
+                    self.router.free(id);
+                    self.send(w, Down::Cancel(Cancel { worker_id: w, id }));
+                }
+            }
+            Output::Error { class, message }
+                if f.retry.is_some()
+                    && matches!(class, ErrorClass::Overloaded | ErrorClass::Unavailable) =>
+            {
+                let Some(f) = self.inflight.remove(&id) else { return };
+                let w = f.worker;
+                self.move_or_fail(id, f, &[w], now, Output::Error { class, message });
+            }
+            end => {
+                let _ = f.client.send(end);
+                self.inflight.remove(&id);
+                self.router.free(id);
+            }
+        }
+    }
+
+    fn on_register(
+        &mut self,
+        conn: u64,
+        r: Register,
+        cfg: &RemoteConfig,
+        block_size: usize,
+        now: Duration,
+    ) {
+        let w = r.worker_id;
+        let refuse = if r.model != cfg.model {
+            Some(format!("this frontend serves model {:?}, not {:?}", cfg.model, r.model))
+        } else if r.block_size as usize != block_size {
+            Some(format!(
+                "this frontend routes blocks of {block_size} tokens, not {}",
+                r.block_size
+            ))
+        } else {
+            None
+        };
+        let Some(c) = self.conns.get(&conn) else { return };
+        if let Some(reason) = refuse {
+            tracing::warn!(worker = w, peer = %c.peer, %reason, "worker refused");
+            let _ = c.tx.try_send(Down::Registered(Registered {
+                worker_id: w,
+                accepted: false,
+                reason,
+            }));
+            return;
+        }
+        let _ = c.tx.try_send(Down::Registered(Registered {
+            worker_id: w,
+            accepted: true,
+            reason: String::new(),
+        }));
+        let _ = c.tx.try_send(Down::Snapshot(w));
+        match self.workers.get(&w).map(|x| x.conn) {
+            Some(old) if old == conn => return,
+            Some(old) => {
+                // The same id on a newer connection: the worker came back before its old
+                // connection was seen to die. The old connection goes.
+                tracing::warn!(worker = w, "worker registered again on a new connection");
+                if let Some(o) = self.conns.get(&old) {
+                    let _ = o.tx.try_send(Down::Close);
+                }
+                self.conn_lost(old, "replaced by a newer connection of its worker", now);
+            }
+            None => {}
+        }
+        self.router.add_worker(w);
+        self.workers.insert(w, Worker { conn, metrics: WorkerMetrics::default() });
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.workers.push(w);
+            tracing::info!(worker = w, peer = %c.peer, kv_blocks = r.kv_blocks, "worker joined");
+        }
+    }
+
+    /// A connection is gone: its workers leave, their requests move or fail.
+    fn conn_lost(&mut self, conn: u64, why: &str, now: Duration) {
+        let Some(c) = self.conns.remove(&conn) else { return };
+        let mut dead = Vec::new();
+        for w in c.workers {
+            if self.workers.get(&w).is_some_and(|x| x.conn == conn) {
+                self.workers.remove(&w);
+                self.router.remove_worker(w);
+                dead.push(w);
+            }
+        }
+        if dead.is_empty() {
+            return;
+        }
+        self.counters.workers_lost += dead.len() as u64;
+        tracing::warn!(workers = ?dead, peer = %c.peer, reason = why, "worker(s) disappeared");
+        let ids: Vec<RequestId> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| dead.contains(&f.worker))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let Some(f) = self.inflight.remove(&id) else { continue };
+            let message = format!("worker {} disappeared", f.worker);
+            if f.retry.is_none() {
+                self.counters.failed_worker_lost += 1;
+            }
+            self.move_or_fail(
+                id,
+                f,
+                &dead,
+                now,
+                Output::Error { class: ErrorClass::Unavailable, message },
+            );
+        }
+    }
+
+    fn owns(&self, conn: u64, w: WorkerId) -> bool {
+        self.workers.get(&w).is_some_and(|x| x.conn == conn)
+    }
+}
+
+impl Dispatcher for RemotePlane {
+    fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Output>, DispatchError> {
+        let s = &self.shared;
+        let seed = seed_for(req.salt.as_deref(), None);
+        let blocks = RequestBlocks::from_hashes(
+            req.prompt.len() as u64,
+            &BlockHasher::hash_all(s.block_size, seed, &req.prompt),
+        );
+        let now = s.now();
+        let (tx, rx) = unbounded_channel();
+        let mut st = s.lock();
+        let w = st.place(&req, &blocks, now, &[])?;
+        let id = req.id;
+        st.inflight.insert(
+            id,
+            Inflight { worker: w, client: tx, retry: Some(Retry { req, blocks }), attempts: 1 },
+        );
+        Ok(rx)
+    }
+
+    fn cancel(&self, id: RequestId) {
+        let mut st = self.shared.lock();
+        if let Some(f) = st.inflight.remove(&id) {
+            st.router.free(id);
+            st.send(f.worker, Down::Cancel(Cancel { worker_id: f.worker, id }));
+        }
+    }
+
+    fn ready(&self) -> bool {
+        !self.shared.lock().workers.is_empty()
+    }
+
+    fn workers(&self) -> Vec<WorkerState> {
+        let st = self.shared.lock();
+        let mut v: Vec<WorkerState> = st
+            .workers
+            .iter()
+            .map(|(&id, w)| WorkerState { id, alive: true, metrics: w.metrics })
+            .collect();
+        v.sort_by_key(|w| w.id);
+        v
+    }
+
+    fn router_metrics(&self) -> Vec<(&'static str, f64)> {
+        let st = self.shared.lock();
+        let mut m = router_metrics(&st.router);
+        m.push(("plane_workers", st.workers.len() as f64));
+        m.push(("plane_requests_placed_again_total", st.counters.placed_again as f64));
+        m.push(("plane_requests_failed_worker_lost_total", st.counters.failed_worker_lost as f64));
+        m.push(("plane_workers_lost_total", st.counters.workers_lost as f64));
+        m
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                tokio::spawn(connection(shared.clone(), stream, peer));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a worker connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn dial_loop(shared: Arc<Shared>, addr: String) {
+    let mut backoff = Duration::from_millis(100);
+    let mut warned = false;
+    loop {
+        match TcpStream::connect(&addr).await {
+            Ok(stream) => {
+                backoff = Duration::from_millis(100);
+                warned = false;
+                let peer =
+                    stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+                connection(shared.clone(), stream, peer).await;
+            }
+            Err(e) => {
+                if !warned {
+                    tracing::warn!(worker = %addr, error = %e, "cannot reach the worker; retrying");
+                    warned = true;
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Serves one worker connection until it dies.
+async fn connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = mpsc::channel(shared.cfg.conn_queue.max(1));
+    shared.lock().conns.insert(conn, Conn { tx, workers: Vec::new(), peer });
+    let (rd, wr) = stream.into_split();
+    let mut writer = tokio::spawn(write_loop(wr, rx, shared.cfg.heartbeat));
+    let why = tokio::select! {
+        why = read_loop(&shared, conn, rd) => why,
+        w = &mut writer => match w {
+            Ok(why) => why,
+            Err(e) => format!("writer: {e}"),
+        },
+    };
+    writer.abort();
+    let now = shared.now();
+    shared.lock().conn_lost(conn, &why, now);
+}
+
+async fn write_loop(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Down>,
+    heartbeat: Duration,
+) -> String {
+    let mut buf = Vec::with_capacity(64 << 10);
+    let mut hb = tokio::time::interval(heartbeat);
+    hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    loop {
+        let mut close = false;
+        tokio::select! {
+            d = rx.recv() => match d {
+                Some(d) => close |= encode(d, &mut buf),
+                None => return "the frontend closed the connection".into(),
+            },
+            _ = hb.tick() => {
+                seq += 1;
+                put(kind::HEARTBEAT, &Heartbeat { seq }, &mut buf);
+            }
+        }
+        while buf.len() < 256 << 10 && !close {
+            match rx.try_recv() {
+                Ok(d) => close |= encode(d, &mut buf),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = wr.write_all(&buf).await {
+            return format!("writing: {e}");
+        }
+        buf.clear();
+        if close {
+            return "replaced by a newer connection of its worker".into();
+        }
+    }
+}
+
+/// Encodes a frame; true for [`Down::Close`].
+fn encode(d: Down, buf: &mut Vec<u8>) -> bool {
+    match d {
+        Down::Registered(r) => put(kind::REGISTERED, &r, buf),
+        Down::Submit(s) => put(kind::SUBMIT, &*s, buf),
+        Down::Cancel(c) => put(kind::CANCEL, &c, buf),
+        Down::Snapshot(w) => put(kind::SNAPSHOT_REQUEST, &SnapshotRequest { worker_id: w }, buf),
+        Down::Close => return true,
+    }
+    false
+}
+
+fn put<T: serde::Serialize>(k: u8, msg: &T, buf: &mut Vec<u8>) {
+    if let Err(e) = wire::encode(k, msg, buf) {
+        tracing::error!(kind = k, error = %e, "encoding a frame");
+    }
+}
+
+/// A decoded frame from a worker.
+enum Up {
+    Register(Register),
+    Output(OutputMsg),
+    Kv(KvEvents),
+    Note(Note),
+    Snapshot(Snapshot),
+    Load(Load),
+}
+
+fn decode(k: u8, payload: &[u8]) -> Result<Option<Up>, WireError> {
+    Ok(Some(match k {
+        kind::REGISTER => Up::Register(wire::decode(payload)?),
+        kind::OUTPUT => Up::Output(wire::decode(payload)?),
+        kind::KV_EVENTS => Up::Kv(wire::decode(payload)?),
+        kind::NOTE => Up::Note(wire::decode(payload)?),
+        kind::SNAPSHOT => Up::Snapshot(wire::decode(payload)?),
+        kind::LOAD => Up::Load(wire::decode(payload)?),
+        _ => return Ok(None), // heartbeats, and kinds of newer peers
+    }))
+}
+
+async fn read_loop(shared: &Shared, conn: u64, mut rd: OwnedReadHalf) -> String {
+    let cfg = &shared.cfg;
+    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    let mut ups = Vec::new();
+    loop {
+        buf.reserve(64 << 10);
+        match tokio::time::timeout(cfg.heartbeat_timeout, rd.read_buf(&mut buf)).await {
+            Err(_) => return format!("no heartbeat for {:?}", cfg.heartbeat_timeout),
+            Ok(Ok(0)) => return "connection closed".into(),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return format!("reading: {e}"),
+        }
+        let mut off = 0;
+        loop {
+            match wire::split(&buf[off..], cfg.max_frame) {
+                Ok((k, payload, used)) => {
+                    match decode(k, payload) {
+                        Ok(Some(u)) => ups.push(u),
+                        Ok(None) => {}
+                        Err(e) => return format!("malformed frame of kind {k}: {e}"),
+                    }
+                    off += used;
+                }
+                Err(WireError::Incomplete) => break,
+                Err(e) => return format!("bad frame: {e}"),
+            }
+        }
+        buf.drain(..off);
+        if !ups.is_empty() {
+            let now = shared.now();
+            let mut st = shared.lock();
+            for u in ups.drain(..) {
+                apply(&mut st, shared, conn, u, now);
+            }
+        }
+    }
+}
+
+fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
+    match u {
+        Up::Register(r) => st.on_register(conn, r, &shared.cfg, shared.block_size, now),
+        Up::Output(m) => st.on_output(conn, m, now),
+        Up::Kv(k) => {
+            for ev in &k.events {
+                if st.owns(conn, ev.worker_id) {
+                    // A gap marks the worker for a resync, which the maintenance task asks for.
+                    let _ = st.router.apply_event(ev);
+                }
+            }
+        }
+        Up::Note(n) => {
+            if st.inflight.get(&n.id).is_some_and(|f| f.worker == n.worker_id) {
+                match n.note {
+                    NoteKind::FirstToken => {
+                        st.router.mark_prefill_done(n.id);
+                    }
+                    NoteKind::Finished => {
+                        st.router.free(n.id);
+                    }
+                }
+            }
+        }
+        Up::Snapshot(s) => {
+            if st.owns(conn, s.worker_id) {
+                let blocks: Vec<SnapshotBlock> = s
+                    .blocks
+                    .into_iter()
+                    .map(|(parent, block)| SnapshotBlock {
+                        tier: StorageTier::Device,
+                        parent,
+                        block,
+                    })
+                    .collect();
+                if let Err(e) = st.router.resync(s.worker_id, s.last_event_id, &blocks) {
+                    tracing::warn!(worker = s.worker_id, error = %e, "resync failed");
+                }
+            }
+        }
+        Up::Load(l) => {
+            let w = l.metrics.load.worker_id;
+            if st.owns(conn, w) {
+                st.router.apply_load(&l.metrics.load);
+                if let Some(x) = st.workers.get_mut(&w) {
+                    x.metrics = l.metrics;
+                }
+            }
+        }
+    }
+}
+
+/// Expires lost requests and asks workers that lost events for snapshots, once a second.
+async fn maintenance(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let now = shared.now();
+        let mut st = shared.lock();
+        st.router.expire(now);
+        for w in st.router.workers_needing_resync() {
+            st.send(w, Down::Snapshot(w));
+        }
+    }
+}
