@@ -449,11 +449,38 @@ pub enum AttnMode {
 #[derive(Debug, Clone)]
 pub struct AttnScratch {
     q16: Vec<f16>,
-    scores: Vec<f32>,
+    pub(crate) scores: Vec<f32>,
     probs: Vec<f16>,
-    classes: Vec<f32>,
+    pub(crate) classes: Vec<f32>,
     wide: Vec<f64>,
+    /// Row offsets of positions (fused kernels).
+    pub(crate) offs: Vec<usize>,
 }
+
+/// The operands of one query head's attention, as [`attention`] hands them to the level's
+/// fused kernel ([`Kernels::attn_head`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnHeadJob<'a> {
+    /// Which of ggml's code paths the arithmetic follows.
+    pub mode: AttnMode,
+    /// The query head (f32; rounded to f16 by the kernel).
+    pub q: &'a [f32],
+    /// Keys of the head's KV head.
+    pub keys: &'a PagedHead<'a>,
+    /// Values of the head's KV head.
+    pub values: &'a PagedHead<'a>,
+    /// Positions attended to (`0..n_pos`).
+    pub n_pos: usize,
+    /// Score scale (`1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// The level's softmax.
+    pub softmax: fn(&mut [f32], f32),
+}
+
+/// A level's fused attention of one query head: returns `false`, having written nothing to
+/// `out`, when it does not cover the operands' shapes (the caller then takes the generic
+/// path, which also reports malformed operands).
+pub type AttnHeadFn = fn(&AttnHeadJob<'_>, &mut AttnScratch, &mut [f32]) -> bool;
 
 impl AttnScratch {
     /// Buffers for heads of `head_dim` over up to `max_ctx` positions.
@@ -464,6 +491,7 @@ impl AttnScratch {
             probs: vec![f16::ZERO; max_ctx.max(1)],
             classes: vec![0.0; 64 * head_dim],
             wide: vec![0.0; head_dim],
+            offs: vec![0; max_ctx.max(1)],
         }
     }
 }
@@ -474,6 +502,39 @@ impl AttnScratch {
 /// and both matrix products associate as ggml's code path for `mode` does at this level.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
+    k: &Kernels,
+    mode: AttnMode,
+    q: &[f32],
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+    sc: &mut AttnScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let hd = keys.head_dim;
+    if q.len() != hd
+        || out.len() != values.head_dim
+        || sc.q16.len() < hd
+        || sc.scores.len() < n_pos
+        || sc.classes.len() < 64 * values.head_dim
+        || n_pos == 0
+    {
+        return Err(KernelError::Shape("attention operand sizes do not match"));
+    }
+    if let Some(fused) = k.attn_head {
+        let job = AttnHeadJob { mode, q, keys, values, n_pos, scale, softmax: k.softmax };
+        if fused(&job, sc, out) {
+            return Ok(());
+        }
+    }
+    attention_generic(k, mode, q, keys, values, n_pos, scale, sc, out)
+}
+
+/// [`attention`] without the level's fused kernel: the association twin that the fused
+/// kernels are tested against.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_generic(
     k: &Kernels,
     mode: AttnMode,
     q: &[f32],

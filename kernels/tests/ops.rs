@@ -497,6 +497,86 @@ fn paged_attention_matches_reference() {
     }
 }
 
+/// The fused one-head kernels ([`Kernels::attn_head`]) against the generic path they replace,
+/// bit for bit: both modes, head sizes with and without the fused shapes, block sizes that
+/// do and do not divide the steps, lengths around multiples of 16 and 64, grouped heads,
+/// queries that produce large, tiny and negative-zero scores.
+#[test]
+fn fused_attention_is_bit_identical_to_the_generic_path() {
+    let mut rng = rng(65);
+    let mut fused_runs = 0;
+    for k in levels() {
+        let Some(fused) = k.attn_head else { continue };
+        for hd in [32usize, 64, 128, 80] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            for block_size in [1usize, 7, 16, 32] {
+                for n_pos in [1usize, 2, 15, 16, 17, 63, 64, 65, 100, 257] {
+                    let n_kv = 2;
+                    let c = make_cache(&mut rng, n_pos, block_size, n_kv, hd);
+                    let mut sc = AttnScratch::new(hd, 300);
+                    let mut sc2 = AttnScratch::new(hd, 300);
+                    for h in 0..4 {
+                        let head = |data| PagedHead {
+                            data,
+                            block_table: &c.table,
+                            block_size,
+                            n_kv_heads: n_kv,
+                            head_dim: hd,
+                            kv_head: h / 2,
+                        };
+                        let (keys, values) = (head(&c.keys[..]), head(&c.values[..]));
+                        let q: Vec<f32> = match h {
+                            // A zero query: every score is a (signed) zero.
+                            0 => vec![0.0; hd],
+                            1 => randv(&mut rng, hd).iter().map(|v| v * 8.0).collect(),
+                            2 => randv(&mut rng, hd).iter().map(|v| v * 1e-3).collect(),
+                            _ => randv(&mut rng, hd),
+                        };
+                        for mode in [AttnMode::Decode, AttnMode::Prefill] {
+                            let mut want = vec![f32::NAN; hd];
+                            ops::attention_generic(
+                                &k, mode, &q, &keys, &values, n_pos, scale, &mut sc, &mut want,
+                            )
+                            .unwrap();
+                            let mut got = vec![f32::NAN; hd];
+                            let job = ops::AttnHeadJob {
+                                mode,
+                                q: &q,
+                                keys: &keys,
+                                values: &values,
+                                n_pos,
+                                scale,
+                                softmax: k.softmax,
+                            };
+                            if !fused(&job, &mut sc2, &mut got) {
+                                // Shapes the kernel leaves to the generic path: 64-multiples
+                                // are always covered, 16-multiples in prefill.
+                                let covered =
+                                    hd % 64 == 0 || (mode == AttnMode::Prefill && hd % 16 == 0);
+                                assert!(!covered, "{} {mode:?} hd={hd} not fused", k.level);
+                                assert!(got.iter().all(|v| v.is_nan()), "wrote nothing");
+                                continue;
+                            }
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "{} {mode:?} hd={hd} bs={block_size} n_pos={n_pos} head={h}",
+                                k.level
+                            );
+                            fused_runs += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if kvx_kernels::cpu::SimdLevel::detect() == kvx_kernels::cpu::SimdLevel::Avx512 {
+        assert!(fused_runs > 0, "the AVX-512 table has a fused attention kernel");
+    }
+}
+
 /// Per output dimension, how far the kernel may be from the exact f64 attention: the query
 /// is rounded to f16 before `q·k` (changing each score by at most `scale · Σ|Δq||k|`, which
 /// moves each probability by a factor within `e^{±2 max Δs}`), the probabilities are rounded

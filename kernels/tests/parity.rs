@@ -45,6 +45,7 @@ fn every_table_slot_has_a_parity_test() {
             rmsnorm: _,       // rmsnorm_*
             softmax: _,       // softmax_*
             swiglu: _,        // swiglu_*, silu_*
+            attn_head: _,     // tests/ops.rs fused_attention_*
             gemm: _,          // tests/matmul_exact.rs
         } = k;
     }

@@ -53,6 +53,7 @@ pub(crate) fn patch_avx512(k: &mut Kernels) {
     k.softmax = softmax_512;
     k.swiglu = swiglu_512;
     k.axpy_f16 = fma_f16_avx2;
+    k.attn_head = Some(super::attn_x86::attn_head_512);
 }
 
 fn f32_bits(b: u32) -> f32 {

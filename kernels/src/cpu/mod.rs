@@ -6,6 +6,8 @@
 //! A table for a level is only ever built after the CPU has been seen to support it, which
 //! is what makes the safe wrappers around `#[target_feature]` functions sound.
 
+#[cfg(target_arch = "x86_64")]
+mod attn_x86;
 pub mod exact;
 #[cfg(target_arch = "x86_64")]
 mod exact_x86;
@@ -138,6 +140,10 @@ pub struct Kernels {
     pub softmax: fn(&mut [f32], f32),
     /// `out = silu(gate) * up`.
     pub swiglu: fn(&[f32], &[f32], &mut [f32]),
+    /// One query head's whole attention (scores, softmax, weighted values) with the bits of
+    /// the generic path built from the entries above ([`crate::ops::attention_generic`]);
+    /// `None` where the level has no fused kernel.
+    pub attn_head: Option<crate::ops::AttnHeadFn>,
     /// Matrix products over tiles of rows × tokens, bit-identical to the dot products above
     /// (used by [`crate::ops::matmul`]; types without an entry use the dot products).
     pub gemm: gemm::Gemm,

@@ -34,6 +34,7 @@ pub const KERNELS: Kernels = Kernels {
     rmsnorm,
     softmax,
     swiglu,
+    attn_head: None,
     gemm: super::gemm::Gemm::NONE,
 };
 

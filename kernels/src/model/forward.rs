@@ -50,6 +50,8 @@ pub struct Scratch {
     out_rows: Vec<u32>,
     out_x: Vec<f32>,
     per_thread: Vec<Mutex<AttnScratch>>,
+    /// Attention: where each thread's (token, head) pairs start, and the end.
+    attn_bounds: Vec<usize>,
 }
 
 impl std::fmt::Debug for Scratch {
@@ -96,6 +98,7 @@ impl Scratch {
             per_thread: (0..n_threads.max(1))
                 .map(|_| Mutex::new(AttnScratch::new(c.head_dim, max_ctx)))
                 .collect(),
+            attn_bounds: Vec::with_capacity(n_threads.max(1) + 1),
         }
     }
 
@@ -208,6 +211,10 @@ impl LlamaModel {
             );
         }
 
+        // Attention work per (token, head) pair grows with the position: split the pairs
+        // into runs of equal cost (a causal prompt's later half costs three times its first).
+        balance_pairs(&s.tok, c.n_head, pool.n_threads(), &mut s.attn_bounds);
+
         let act = bytemuck::cast_slice_mut::<u32, u8>(&mut s.act);
         let scale = 1.0 / (hd as f32).sqrt();
         let group = c.n_head / c.n_head_kv;
@@ -276,7 +283,7 @@ impl LlamaModel {
             // Each (token, head) pair — hence its output range — belongs to one thread.
             let out = DisjointOut::new(&mut s.attn[..n * qd]);
             let kvc = &*kv;
-            let (tok, q, per_thread) = (&s.tok, &s.q, &s.per_thread);
+            let (tok, q, per_thread, bounds) = (&s.tok, &s.q, &s.per_thread, &s.attn_bounds);
             let failed = std::sync::atomic::AtomicBool::new(false);
             let job = |i: usize, nt: usize| {
                 let Ok(mut sc) = per_thread[i].lock() else {
@@ -284,7 +291,11 @@ impl LlamaModel {
                     return;
                 };
                 let sc = &mut *sc;
-                for pair in split_range(n * c.n_head, i, nt, 1) {
+                let mine = match (bounds.get(i), bounds.get(i + 1)) {
+                    (Some(&a), Some(&b)) if bounds.len() == nt + 1 => a..b,
+                    _ => split_range(n * c.n_head, i, nt, 1),
+                };
+                for pair in mine {
                     let (t, h) = (pair / c.n_head, pair % c.n_head);
                     let (ci, pos) = tok[t];
                     let (keys, values) = kvc.heads(li, h / group, chunks[ci as usize].block_table);
@@ -367,6 +378,33 @@ impl LlamaModel {
     }
 }
 
+/// Cost of one (token, head) attention pair beyond its positions (the per-head set-up).
+const PAIR_OVERHEAD: usize = 32;
+
+/// Splits the `tok.len() × n_head` (token, head) pairs, in order, into `n` runs of about
+/// equal attention cost; `bounds` gets the `n + 1` run boundaries.
+fn balance_pairs(tok: &[(u32, u32)], n_head: usize, n: usize, bounds: &mut Vec<usize>) {
+    bounds.clear();
+    let cost = |pos: u32| pos as usize + 1 + PAIR_OVERHEAD;
+    let total: usize = tok.iter().map(|&(_, pos)| cost(pos) * n_head).sum();
+    bounds.push(0);
+    let mut cum = 0;
+    let mut pair = 0;
+    for &(_, pos) in tok {
+        for _ in 0..n_head {
+            // Thread k starts at the first pair whose preceding cost reaches k/n of the total.
+            while bounds.len() < n && cum * n >= total * bounds.len() {
+                bounds.push(pair);
+            }
+            cum += cost(pos);
+            pair += 1;
+        }
+    }
+    while bounds.len() <= n {
+        bounds.push(pair);
+    }
+}
+
 fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) {
     if let Some(b) = bias {
         for row in rows.chunks_exact_mut(b.len()) {
@@ -386,5 +424,34 @@ fn swiglu_in_place(k: &Kernels, gate: &[f32], up: &mut [f32]) {
         let b = &mut buf[..u.len()];
         b.copy_from_slice(u);
         (k.swiglu)(g, b, u);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balanced_pairs_cover_everything_in_runs_of_similar_cost() {
+        let prompt: Vec<(u32, u32)> = (0..512).map(|p| (0, p)).collect();
+        let decode: Vec<(u32, u32)> = (0..16).map(|c| (c, 100 + 7 * c)).collect();
+        for tok in [&prompt[..], &decode[..], &prompt[..1]] {
+            for n in 1..5 {
+                let mut b = Vec::new();
+                balance_pairs(tok, 9, n, &mut b);
+                assert_eq!(b.len(), n + 1);
+                assert_eq!((b[0], b[n]), (0, tok.len() * 9));
+                assert!(b.windows(2).all(|w| w[0] <= w[1]));
+                let cost = |r: std::ops::Range<usize>| -> usize {
+                    r.map(|pair| tok[pair / 9].1 as usize + 1 + PAIR_OVERHEAD).sum()
+                };
+                let total = cost(0..tok.len() * 9);
+                let biggest = (0..tok.len() * 9).map(|p| cost(p..p + 1)).max().unwrap_or(0);
+                for w in b.windows(2) {
+                    // Each run is within one pair of its fair share.
+                    assert!(cost(w[0]..w[1]) <= total / n + biggest, "{n} threads: {b:?}");
+                }
+            }
+        }
     }
 }

@@ -76,6 +76,7 @@ pub(crate) fn kernels() -> Kernels {
         rmsnorm,
         softmax,
         swiglu,
+        attn_head: None,
         gemm: crate::cpu::gemm::Gemm::NONE,
     }
 }

@@ -1,0 +1,292 @@
+//! AVX-512 attention of one query head over a paged f16 cache: the same bits as the generic
+//! path of [`crate::ops::attention`] at the AVX-512 level, without a call per position.
+//!
+//! The generic path calls the level's f16 dot product once per key (whose horizontal sum
+//! goes through memory) and `axpy_f16` once per value row into per-class partial sums in
+//! memory. Here:
+//!
+//! * **Scores**, 16 keys at a time: the query (rounded to f16) sits in registers, each key
+//!   gets the fused multiply-adds of the level's dot product (one 16-lane accumulator for
+//!   tinyBLAS's shape, four for `vec_dot_f16`'s), and the 16 accumulators are reduced
+//!   together by shuffles that add exactly the pairs `_mm512_reduce_add_ps` adds
+//!   (`v[i] + v[i + 8]`, then `+4`, then `(b0 + b2) + (b1 + b3)`).
+//! * **Weighted values**: class `c` (positions `p ≡ c` mod the shape's step) is accumulated
+//!   in registers over its positions in order, which is the order the generic path adds
+//!   them in; the classes are then combined by vertical adds in the shape's tree.
+//!
+//! The softmax and both f16 roundings are the level's kernels, unchanged.
+//!
+//! # Safety
+//! [`imp_attn_head_512`] requires AVX-512 F/BW/DQ/VL; it is reachable only through the
+//! safe wrapper installed by [`super::exact_x86::patch_avx512`] into a table whose level
+//! was detected on this CPU. Every load reads from a slice whose length was checked.
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use crate::ops::{AttnHeadJob, AttnMode, AttnScratch, PagedHead};
+
+/// The safe entry installed in the AVX-512 table.
+pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
+    // SAFETY: installed only into the table of a detected AVX-512 level (module docs).
+    unsafe { imp_attn_head_512(job, sc, out) }
+}
+
+/// Widest head this kernel handles (elements).
+const MAX_HEAD: usize = 256;
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn load_h16(x: &[f16]) -> __m512 {
+    assert!(x.len() >= 16);
+    // SAFETY: 16 halves are readable (checked above).
+    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(x.as_ptr().cast()) })
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn load16(x: &[f32]) -> __m512 {
+    assert!(x.len() >= 16);
+    // SAFETY: 16 floats are readable (checked above).
+    unsafe { _mm512_loadu_ps(x.as_ptr()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn store16(x: &mut [f32], v: __m512) {
+    assert!(x.len() >= 16);
+    // SAFETY: 16 floats are writable (checked above).
+    unsafe { _mm512_storeu_ps(x.as_mut_ptr(), v) }
+}
+
+/// `x` rounded to f16 and back (nearest even), 16 lanes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn round_f16(x: __m512) -> __m512 {
+    _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+}
+
+/// `_mm512_reduce_add_ps` of each of 16 registers, as 16 lanes in register order: lane `k`
+/// is `(b0 + b2) + (b1 + b3)` of register `k`, with `a[i] = v[i] + v[i + 8]` and
+/// `b[i] = a[i] + a[i + 4]`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn reduce16(v: &[__m512; 16]) -> __m512 {
+    // [a of register 2k (8 lanes), a of register 2k + 1].
+    let s: [__m512; 8] = std::array::from_fn(|k| {
+        let (x, y) = (v[2 * k], v[2 * k + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xee>(x, y))
+    });
+    // 128-bit lane j: b of register 4m + j.
+    let u: [__m512; 4] = std::array::from_fn(|m| {
+        let (x, y) = (s[2 * m], s[2 * m + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xdd>(x, y))
+    });
+    // Per 128-bit lane j: [b0 + b2, b1 + b3] of register j (of u[0] or u[2]'s group), then of
+    // register 4 + j.
+    let w: [__m512; 2] = std::array::from_fn(|m| {
+        let (x, y) = (u[2 * m], u[2 * m + 1]);
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xee>(x, y))
+    });
+    // Lane 4j + i: register 4i + j.
+    let r =
+        _mm512_add_ps(_mm512_shuffle_ps::<0x88>(w[0], w[1]), _mm512_shuffle_ps::<0xdd>(w[0], w[1]));
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(order, r)
+}
+
+/// `_mm512_reduce_add_ps` of 16 lane vectors at once: `v[c]` holds lane `c` of 16 sums.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn reduce_vertical(v: &[__m512; 16]) -> __m512 {
+    let a: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(v[i], v[i + 8]));
+    let b: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 4]));
+    _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]))
+}
+
+/// Dimensions `d0..d0 + 16 W` of every class's weighted sum of value rows: class `c`
+/// (`0..step`) adds `w[p] * v[p]` for `p = c, c + step, ...` in order, each lane with one
+/// fused multiply-add per position (as `axpy_f16` does); written to `classes[c * vd + d0..]`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn pv_classes<const W: usize>(
+    w: &[f32],
+    values: &[f16],
+    offs: &[usize],
+    d0: usize,
+    step: usize,
+    vd: usize,
+    classes: &mut [f32],
+) {
+    for (c, class) in classes.chunks_exact_mut(vd).enumerate() {
+        let mut acc = [_mm512_setzero_ps(); W];
+        let n = w.len().min(offs.len());
+        let mut p = c;
+        while p < n {
+            let wv = _mm512_set1_ps(w[p]);
+            let o = offs[p] + d0;
+            let v = &values[o..o + 16 * W];
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(wv, load_h16(&v[16 * k..]), *a);
+            }
+            p += step;
+        }
+        for (k, a) in acc.iter().enumerate() {
+            store16(&mut class[d0 + 16 * k..], *a);
+        }
+    }
+}
+
+/// The start of each position's row in `head.data` (`offs.len()` positions); `false` if a
+/// block is missing or a row lies outside the data.
+fn row_offsets(head: &PagedHead<'_>, offs: &mut [usize]) -> bool {
+    let (bs, hd) = (head.block_size, head.head_dim);
+    if bs == 0 {
+        return false;
+    }
+    let mut p = 0;
+    for &block in head.block_table {
+        if p >= offs.len() {
+            break;
+        }
+        let start = (block as usize * head.n_kv_heads + head.kv_head) * bs * hd;
+        let rows = (offs.len() - p).min(bs);
+        if start + rows * hd > head.data.len() {
+            return false;
+        }
+        for (slot, o) in offs[p..p + rows].iter_mut().enumerate() {
+            *o = start + slot * hd;
+        }
+        p += rows;
+    }
+    p == offs.len()
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
+    let (keys, values, n) = (job.keys, job.values, job.n_pos);
+    let (hd, vd) = (keys.head_dim, values.head_dim);
+    let prefill = job.mode == AttnMode::Prefill;
+    // The scores: tinyBLAS's one accumulator when ggml's gemm path takes the product (the
+    // length a multiple of 16), else `vec_dot_f16`'s four, here only without a tail.
+    let gemm_scores = prefill && hd.is_multiple_of(16);
+    // The weighted values: step 16 (tinyBLAS) or 64 (`vec_dot_f16`'s 4 × 16 lanes).
+    let step = if prefill && vd.is_multiple_of(4) { 16 } else { 64 };
+    if (!gemm_scores && !hd.is_multiple_of(64))
+        || hd == 0
+        || hd > MAX_HEAD
+        || !vd.is_multiple_of(16)
+        || vd == 0
+        || vd > MAX_HEAD
+        || job.q.len() != hd
+        || out.len() != vd
+        || n == 0
+        || sc.scores.len() < n
+        || sc.offs.len() < n
+        || sc.classes.len() < step * vd
+    {
+        return false;
+    }
+
+    // The query rounded to f16, in registers.
+    let mut qv = [_mm512_setzero_ps(); MAX_HEAD / 16];
+    for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
+        *q = round_f16(load16(&job.q[16 * i..]));
+    }
+    let qv = &qv[..hd / 16];
+
+    // Where each position's rows start (validated once, no division per row).
+    let offs = &mut sc.offs[..n];
+    if !row_offsets(keys, offs) {
+        return false;
+    }
+    let same_layout = vd == hd
+        && std::ptr::eq(keys.block_table, values.block_table)
+        && keys.block_size == values.block_size
+        && keys.n_kv_heads == values.n_kv_heads
+        && keys.kv_head == values.kv_head
+        && keys.data.len() == values.data.len();
+
+    // Scores, 16 keys at a time.
+    let scores = &mut sc.scores[..n];
+    let mut p0 = 0;
+    while p0 < n {
+        let m = (n - p0).min(16);
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for (a, &o) in acc.iter_mut().zip(&offs[p0..p0 + m]) {
+            let key = &keys.data[o..o + hd];
+            *a = if gemm_scores {
+                let mut r = _mm512_setzero_ps();
+                for (j, q) in qv.iter().enumerate() {
+                    r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
+                }
+                r
+            } else {
+                let mut r = [_mm512_setzero_ps(); 4];
+                for (c, qc) in qv.chunks_exact(4).enumerate() {
+                    for (j, (r, q)) in r.iter_mut().zip(qc).enumerate() {
+                        *r = _mm512_fmadd_ps(*q, load_h16(&key[64 * c + 16 * j..]), *r);
+                    }
+                }
+                _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
+            };
+        }
+        let mut s = reduce16(&acc);
+        if !gemm_scores {
+            // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
+            s = _mm512_add_ps(s, _mm512_setzero_ps());
+        }
+        let mut buf = [0.0f32; 16];
+        store16(&mut buf, s);
+        scores[p0..p0 + m].copy_from_slice(&buf[..m]);
+        p0 += m;
+    }
+    if !same_layout && !row_offsets(values, offs) {
+        return false;
+    }
+
+    (job.softmax)(scores, job.scale);
+    // The probabilities as f16 values, kept in f32.
+    let mut chunks = scores.chunks_exact_mut(16);
+    for c in &mut chunks {
+        store16(c, round_f16(load16(c)));
+    }
+    for v in chunks.into_remainder() {
+        *v = f16::from_f32(*v).to_f32();
+    }
+
+    // Per class, its positions in order, accumulated in registers, 64 dimensions at a time.
+    let classes = &mut sc.classes[..step * vd];
+    let values = &values.data;
+    for d0 in (0..vd).step_by(64) {
+        let pv = match (vd - d0) / 16 {
+            1 => pv_classes::<1>,
+            2 => pv_classes::<2>,
+            3 => pv_classes::<3>,
+            _ => pv_classes::<4>,
+        };
+        pv(scores, values, offs, d0, step, vd, classes);
+    }
+    let nd = vd / 16;
+
+    // The classes combined as the shape's registers are, 16 output dimensions at a time.
+    for k in 0..nd {
+        let lane = |c: usize| load16(&classes[c * vd + 16 * k..]);
+        let lanes: [__m512; 16] = if step == 16 {
+            std::array::from_fn(lane)
+        } else {
+            // Registers a = 0..4 hold classes 16a..16a + 16: (r0 + r2) + (r1 + r3).
+            std::array::from_fn(|l| {
+                _mm512_add_ps(
+                    _mm512_add_ps(lane(l), lane(32 + l)),
+                    _mm512_add_ps(lane(16 + l), lane(48 + l)),
+                )
+            })
+        };
+        // `SumShape::finish` ends with `(f64(sum) + 0.0) as f32`: -0 becomes +0.
+        let r = _mm512_add_ps(reduce_vertical(&lanes), _mm512_setzero_ps());
+        store16(&mut out[16 * k..], r);
+    }
+    true
+}
