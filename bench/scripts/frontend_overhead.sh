@@ -5,8 +5,10 @@
 # machine, driven by the same load generator (`kvx bench`) in the same script, alternating,
 # RUNS runs each. Reports medians of:
 #   * requests/s in a closed loop at --concurrency C (throughput), and their ratio;
-#   * p50 end-to-end latency at concurrency 1 — with a zero-latency engine this is the time the
-#     serving stack adds (HTTP, preprocessing, routing, streaming, plus the client's share).
+#   * latency at concurrency 1 with a zero-latency engine, i.e. the time the serving stack adds
+#     (HTTP, chat template, tokenization, routing, scheduling, detokenization, SSE, plus the
+#     client's share): TTFT p50 (added before the first token), ITL p50 (added per further
+#     token) and end-to-end p50/p99 of the whole --osl-token request.
 #
 # Dynamo runs without etcd or NATS (`--discovery-backend file --request-plane tcp
 # --event-plane zmq`). Its venv is made under /tmp on first use: `ai-dynamo-runtime==1.6.1` with
@@ -144,23 +146,27 @@ def load(tag, i, phase):
     return r
 rows = {}
 for tag in ("kvx", "dyn"):
-    rps, p50, p99, fails, outtok = [], [], [], 0, []
+    rps, p50, p99, fails, outtok, ttft, itl = [], [], [], 0, [], [], []
     for i in range(1, runs + 1):
         t, l = load(tag, i, "tput"), load(tag, i, "lat")
         rps.append(t["throughput"]["requests_per_s"])
         outtok.append(t["throughput"]["output_tokens_per_s"])
         p50.append(l["latency_ms"]["e2e"]["p50"])
         p99.append(l["latency_ms"]["e2e"]["p99"])
+        ttft.append(l["latency_ms"]["ttft"]["p50"])
+        itl.append(l["latency_ms"]["itl"]["p50"])
         fails += t["requests"]["failed"] + l["requests"]["failed"]
     rows[tag] = dict(rps=statistics.median(rps), all_rps=rps, tok=statistics.median(outtok),
-                     p50=statistics.median(p50), p99=statistics.median(p99), fails=fails)
-print("| server | req/s (median) | runs | output tok/s | p50 e2e at c=1 (ms) | p99 e2e at c=1 (ms) | failed |")
-print("|---|---|---|---|---|---|---|")
+                     p50=statistics.median(p50), p99=statistics.median(p99), fails=fails,
+                     ttft=statistics.median(ttft), itl=statistics.median(itl))
+print("| server | req/s (median) | runs | output tok/s | TTFT p50 at c=1 (ms) | ITL p50 at c=1 (ms) | p50 e2e at c=1 (ms) | p99 e2e at c=1 (ms) | failed |")
+print("|---|---|---|---|---|---|---|---|---|")
 for tag, name in (("kvx", "kvx serve (mocker)"), ("dyn", "Dynamo 1.6.1 frontend + mocker")):
     r = rows[tag]
-    print(f"| {name} | {r['rps']:.0f} | {', '.join(f'{x:.0f}' for x in r['all_rps'])} | {r['tok']:.0f} | {r['p50']:.3f} | {r['p99']:.3f} | {r['fails']} |")
+    print(f"| {name} | {r['rps']:.0f} | {', '.join(f'{x:.0f}' for x in r['all_rps'])} | {r['tok']:.0f} | {r['ttft']:.3f} | {r['itl']:.3f} | {r['p50']:.3f} | {r['p99']:.3f} | {r['fails']} |")
 print()
 print(f"kvx / Dynamo requests/s: **{rows['kvx']['rps'] / rows['dyn']['rps']:.2f}x**; "
-      f"kvx p50 added latency (e2e at c=1, engine time ~0): **{rows['kvx']['p50']:.3f} ms** "
-      f"(Dynamo {rows['dyn']['p50']:.3f} ms)")
+      f"kvx p50 added latency at c=1 (engine time ~0): **{rows['kvx']['ttft']:.3f} ms** before the "
+      f"first token, {rows['kvx']['itl']:.3f} ms per further token, {rows['kvx']['p50']:.3f} ms for the "
+      f"whole request (Dynamo: {rows['dyn']['ttft']:.3f} / {rows['dyn']['itl']:.3f} / {rows['dyn']['p50']:.3f} ms)")
 PY

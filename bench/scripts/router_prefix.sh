@@ -25,7 +25,9 @@
 #   --dynamo-python PY   python with ai-dynamo 1.6.1 (default: /tmp/dyn-planes-venv/bin/python;
 #                        `none` skips (b))
 #   --out DIR            results (default /tmp/kvx-router-prefix)
-# Environment: KVX (kvx binary, default target/release/kvx), KVX_HOME (model store).
+# Environment: KVX (kvx binary, default target/release/kvx), KVX_HOME (model store), BLOCKS
+# (KV blocks per engine, default 256), MODES (kvx mock router modes, default
+# "kv round-robin random"; " " skips them).
 # Dynamo is installed with: python3 -m venv V && V/bin/pip install ai-dynamo-runtime==1.6.1 &&
 #   V/bin/pip install --no-deps ai-dynamo==1.6.1 && V/bin/pip install pyyaml transformers
 #   msgspec pyzmq aiohttp prometheus-client kubernetes redis zstandard tqdm gguf
@@ -46,7 +48,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 KVX=${KVX:-$HERE/../../target/release/kvx}
 GGUF=$("$KVX" model path smollm2-135m-instruct-q4_1)
 NAME=smollm2-135m-instruct-q4_1
-BLOCK=16 BLOCKS=256
+BLOCK=16 BLOCKS=${BLOCKS:-256}
 # 256 blocks of the real model: 30 layers x (K, V) x 3 KV heads x 64 dims x 16 tokens x f16.
 REAL_KV_BYTES=$((BLOCKS * 30 * 2 * 3 * 64 * BLOCK * 2))
 MOCK_ENGINE=(--max-num-seqs 256 --max-batched-tokens 8192 --block-size "$BLOCK")
@@ -90,13 +92,13 @@ bench() { # url requests seed json
 }
 
 kvx_run() { # tag mode engine requests seed
-  local tag=$1 mode=$2 engine=$3 n=$4 seed=$5 port
-  port=$(free_port)
-  "$KVX" frontend --port "$port" --worker-listen 127.0.0.1:0 --model "$GGUF" \
+  local tag=$1 mode=$2 engine=$3 n=$4 seed=$5
+  "$KVX" frontend --port 0 --worker-listen 127.0.0.1:0 --model "$GGUF" \
     --router-mode "$mode" --block-size "$BLOCK" > "$OUT/logs/$tag.frontend.out" 2> "$OUT/logs/$tag.frontend.err" &
   PIDS+=($!)
-  local waddr
+  local waddr url
   waddr=$(wait_line "$OUT/logs/$tag.frontend.out" "workers join at ")
+  url=$(wait_line "$OUT/logs/$tag.frontend.out" "listening on ")
   if [ "$engine" = mocker ]; then
     "$KVX" worker --frontend "$waddr" --engine mocker --shards 4 --mocker-blocks "$BLOCKS" \
       --speedup-ratio 1 "${MOCK_ENGINE[@]}" > "$OUT/logs/$tag.worker.out" 2> "$OUT/logs/$tag.worker.err" &
@@ -106,9 +108,9 @@ kvx_run() { # tag mode engine requests seed
       > "$OUT/logs/$tag.worker.out" 2> "$OUT/logs/$tag.worker.err" &
   fi
   PIDS+=($!)
-  wait_http "http://127.0.0.1:$port/metrics" "kvx_router_plane_workers 4"
-  bench "http://127.0.0.1:$port" "$n" "$seed" "$OUT/$tag.json"
-  curl -sf "http://127.0.0.1:$port/metrics" > "$OUT/$tag.metrics" || true
+  wait_http "$url/metrics" "kvx_router_plane_workers 4"
+  bench "$url" "$n" "$seed" "$OUT/$tag.json"
+  curl -sf "$url/metrics" > "$OUT/$tag.metrics" || true
   stop_all
 }
 
@@ -147,7 +149,7 @@ if [ "$DYNPY" != none ]; then
 fi
 
 for r in $(seq 1 "$RUNS"); do
-  for mode in kv round-robin random; do
+  for mode in ${MODES:-kv round-robin random}; do
     echo "== run $r: kvx mocker, router $mode"
     kvx_run "kvx-mock-$mode-$r" "$mode" mocker "$REQ" "$r"
   done

@@ -431,7 +431,7 @@ impl Engine {
                 &seq.tokens[..seq.prompt_len],
                 seq.output(),
             );
-            let s = self.sampler.sample(&st.params, &mut st.sampler, row);
+            let s = self.sampler.sample(&st.params, &mut st.sampler, row, st.logprobs.is_some());
             let top_start = self.out.top.len();
             if let Some(n) = st.logprobs.filter(|&n| n > 0) {
                 self.sampler.top_logprobs(row, n as usize, &mut self.top_buf);

@@ -186,22 +186,53 @@ impl Sampler {
         }
     }
 
-    /// Draws the next token from `logits` (already penalized).
+    /// Draws the next token from `logits` (already penalized). Its log-probability (under the
+    /// untempered distribution) is computed only when `want_logprob` (0 otherwise): that costs
+    /// an `exp` per vocabulary entry.
     pub fn sample(
         &mut self,
         params: &SamplingParams,
         state: &mut SamplerState,
         logits: &[f32],
+        want_logprob: bool,
     ) -> Sampled {
         let (best, best_logit) = argmax(logits);
-        let lse = log_sum_exp(logits, best_logit);
+        let logprob_of = |t: u32| {
+            if want_logprob { logits[t as usize] - log_sum_exp(logits, best_logit) } else { 0.0 }
+        };
         if params.temperature == 0.0 {
-            return Sampled { token: best, logprob: best_logit - lse };
+            return Sampled { token: best, logprob: logprob_of(best) };
+        }
+        let inv_t = 1.0 / params.temperature;
+        let max = best_logit * inv_t;
+        let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
+        if k == logits.len() && params.top_p >= 1.0 {
+            // No ranking needed: min-p is a threshold on each probability, and the draw walks
+            // the vocabulary in id order.
+            self.probs.clear();
+            let mut total = 0.0f64;
+            for &l in logits {
+                let mut p = ((l - best_logit) * inv_t).exp();
+                if p < params.min_p {
+                    p = 0.0;
+                }
+                total += f64::from(p);
+                self.probs.push(p);
+            }
+            let mut r = state.rng.random::<f64>() * total;
+            let mut chosen = best;
+            for (i, &p) in self.probs.iter().enumerate() {
+                r -= f64::from(p);
+                if p > 0.0 && r <= 0.0 {
+                    chosen = i as u32;
+                    break;
+                }
+            }
+            return Sampled { token: chosen, logprob: logprob_of(chosen) };
         }
         // Candidates sorted by logit (descending), then truncated.
         self.idx.clear();
         self.idx.extend(0..logits.len() as u32);
-        let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
         if k < logits.len() {
             self.idx.select_nth_unstable_by(k - 1, |&a, &b| {
                 logits[b as usize].total_cmp(&logits[a as usize])
@@ -211,8 +242,6 @@ impl Sampler {
         self.idx.sort_unstable_by(|&a, &b| {
             logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
         });
-        let inv_t = 1.0 / params.temperature;
-        let max = logits[self.idx[0] as usize] * inv_t;
         self.probs.clear();
         let mut sum = 0.0f64;
         for &i in &self.idx {
@@ -247,7 +276,7 @@ impl Sampler {
                 break;
             }
         }
-        Sampled { token: chosen, logprob: logits[chosen as usize] - lse }
+        Sampled { token: chosen, logprob: logprob_of(chosen) }
     }
 
     /// The `n` most likely tokens with their log-probabilities (for `top_logprobs`),
@@ -300,7 +329,7 @@ mod tests {
         let mut s = Sampler::new(4);
         let p = SamplingParams::greedy();
         let mut st = SamplerState::new(&p, 0);
-        assert_eq!(s.sample(&p, &mut st, &[1.0, 3.0, 3.0, 2.0]).token, 1);
+        assert_eq!(s.sample(&p, &mut st, &[1.0, 3.0, 3.0, 2.0], false).token, 1);
     }
 
     #[test]
@@ -310,7 +339,7 @@ mod tests {
         let mut s = Sampler::new(4);
         let draw = |s: &mut Sampler| {
             let mut st = SamplerState::new(&p, 0);
-            (0..2000).map(|_| s.sample(&p, &mut st, &logits).token).collect::<Vec<_>>()
+            (0..2000).map(|_| s.sample(&p, &mut st, &logits, false).token).collect::<Vec<_>>()
         };
         let a = draw(&mut s);
         assert_eq!(a, draw(&mut s));
@@ -329,17 +358,17 @@ mod tests {
         let p = SamplingParams { top_k: 1, seed: Some(1), ..Default::default() };
         let mut st = SamplerState::new(&p, 0);
         for _ in 0..50 {
-            assert_eq!(s.sample(&p, &mut st, &logits).token, 1);
+            assert_eq!(s.sample(&p, &mut st, &logits, false).token, 1);
         }
         let p = SamplingParams { top_p: 0.5, seed: Some(1), ..Default::default() };
         let mut st = SamplerState::new(&p, 0);
         for _ in 0..50 {
-            assert_eq!(s.sample(&p, &mut st, &logits).token, 1);
+            assert_eq!(s.sample(&p, &mut st, &logits, false).token, 1);
         }
         let p = SamplingParams { min_p: 0.5, seed: Some(3), ..Default::default() };
         let mut st = SamplerState::new(&p, 0);
         for _ in 0..200 {
-            let t = s.sample(&p, &mut st, &logits).token;
+            let t = s.sample(&p, &mut st, &logits, false).token;
             assert!(t == 1 || t == 2);
         }
     }

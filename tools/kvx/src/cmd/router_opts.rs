@@ -23,8 +23,11 @@ pub(crate) struct RouterOpts {
     /// How requests are placed on workers.
     #[arg(long, value_enum, env = "KVX_ROUTER_MODE", default_value = "kv")]
     pub(crate) router_mode: RouterMode,
-    /// KV mode: weight of a prompt block still to compute against a block in use.
-    #[arg(long, env = "KVX_ROUTER_OVERLAP_WEIGHT", default_value_t = 1.0)]
+    /// KV mode: weight of a prompt block still to compute against a block in use. Above 1
+    /// (Dynamo's default) a cached prefix keeps its requests on one worker rather than being
+    /// copied to a slightly less loaded one, which leaves room in every worker's cache for
+    /// more distinct prefixes (bench/scripts/router_prefix.sh measures the effect).
+    #[arg(long, env = "KVX_ROUTER_OVERLAP_WEIGHT", default_value_t = 4.0)]
     pub(crate) router_overlap_weight: f64,
     /// KV mode: softmax temperature over normalized costs (0 = always the lowest cost).
     #[arg(long, env = "KVX_ROUTER_TEMPERATURE", default_value_t = 0.0)]
