@@ -111,7 +111,7 @@ def main():
         tgt = "" if target is None else (f">= {target:g}x" if "TTFT" not in name else "< 1x")
         per_s = " ".join(fmt(p, "x") if p is not None else "-" for p in per)
         print(f"| {name} | {fmt(k)} | {fmt(l)} | {fmt(r, 'x')} | {tgt} | {v} | {per_s} |")
-    print(f"\nmedians of {runs} alternating runs; raw results were in {os.path.abspath(out)}")
+    print(f"\nmedians of {runs} alternating runs; raw results in {os.path.abspath(out)}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 #   model), PEER_DIR (default .kvx/peer), THREADS (default "1 2"), SKIP_ENGINE=1,
 #   SKIP_SERVE=1, SERVE_REQUESTS (default 64), SHARDS (kvx serve engine shards, default one
 #   per core), KV_BYTES (KV budget per shard, default 134217728), LLAMA_CTX (llama-server
-#   context, default 8192), PORT_BASE (default 18470).
+#   context, default 8192), PORT_BASE (default 18470), OUT_DIR (raw results; default
+#   .kvx/cpu_vs_llamacpp/<time>).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUNS=${1:-3}
@@ -55,11 +56,11 @@ build_peer
 LLAMA_BENCH="$PEER_DIR/build/bin/llama-bench"
 LLAMA_SERVER="$PEER_DIR/build/bin/llama-server"
 
-out=$(mktemp -d)
+out=${OUT_DIR:-.kvx/cpu_vs_llamacpp/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$out"
 server_pid=""
 cleanup() {
   if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; fi
-  rm -rf "$out"
 }
 trap cleanup EXIT
 

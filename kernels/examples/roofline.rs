@@ -85,6 +85,14 @@ mod peak {
             // SAFETY: as above.
             let s = time(|| unsafe { mix512() });
             // Per iteration 4 × (vpdpbusd, cvtdq2ps, mulps, fmadd): the quantized inner loop.
+            let s256 = {
+                // SAFETY: as above.
+                time(|| unsafe { mix256() })
+            };
+            println!(
+                "dpbusd+cvt+fma(bcast) ymm: {:.2} cycles per group",
+                s256 * ghz * 1e9 / (8.0 * ITERS as f64)
+            );
             println!(
                 "dpbusd+cvt+mul+fma zmm: {:.2} cycles per group",
                 s * ghz * 1e9 / (4.0 * ITERS as f64)
@@ -179,6 +187,29 @@ mod peak {
         }
         let s = acc.iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, *x));
         _mm512_reduce_add_ps(s)
+    }
+
+    #[target_feature(enable = "avx512f,avx512vnni,avx512bw,avx512vl")]
+    fn mix256() -> f32 {
+        let b = _mm256_set1_epi8(5);
+        let scales = [0.5f32; 8];
+        let quants = [[3u8; 32]; 8];
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for _ in 0..ITERS {
+            let sc = black_box(&scales);
+            let qs = black_box(&quants);
+            for (k, x) in acc.iter_mut().enumerate() {
+                // SAFETY: 32 readable bytes.
+                let a = unsafe { _mm256_loadu_si256(qs[k].as_ptr().cast()) };
+                let i = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+                *x = _mm256_fmadd_ps(_mm256_set1_ps(sc[k]), _mm256_cvtepi32_ps(i), *x);
+            }
+        }
+        let mut out = [0.0f32; 8];
+        let s = acc.iter().fold(_mm256_setzero_ps(), |s, x| _mm256_add_ps(s, *x));
+        // SAFETY: `out` holds 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+        out.iter().sum()
     }
 
     #[target_feature(enable = "avx2,fma")]

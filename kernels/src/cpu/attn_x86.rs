@@ -105,6 +105,61 @@ fn reduce_vertical(v: &[__m512; 16]) -> __m512 {
     _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]))
 }
 
+/// The 16-lane accumulators of up to 16 keys (rows at `offs`) against the query chunks
+/// `qv`: tinyBLAS's one accumulator (`GEMM`) or `vec_dot_f16`'s four added as it adds them.
+/// `NQ` (the head size / 16) is a constant so that the keys' chains interleave.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn keys16<const NQ: usize, const GEMM: bool>(
+    qa: &[__m512; MAX_HEAD / 16],
+    keys: &[f16],
+    offs: &[usize],
+) -> [__m512; 16] {
+    let qv = &qa[..NQ];
+    let mut acc = [_mm512_setzero_ps(); 16];
+    for (a, &o) in acc.iter_mut().zip(offs) {
+        let key = &keys[o..o + 16 * NQ];
+        *a = if GEMM {
+            let mut r = _mm512_setzero_ps();
+            for (j, q) in qv.iter().enumerate() {
+                r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
+            }
+            r
+        } else {
+            let mut r = [_mm512_setzero_ps(); 4];
+            for (j, q) in qv.iter().enumerate() {
+                r[j % 4] = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r[j % 4]);
+            }
+            _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
+        };
+    }
+    acc
+}
+
+/// [`keys16`] for any head size (a multiple of 16; of 64 without `gemm`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn keys16_any(qv: &[__m512], keys: &[f16], offs: &[usize], gemm: bool) -> [__m512; 16] {
+    let hd = 16 * qv.len();
+    let mut acc = [_mm512_setzero_ps(); 16];
+    for (a, &o) in acc.iter_mut().zip(offs) {
+        let key = &keys[o..o + hd];
+        *a = if gemm {
+            let mut r = _mm512_setzero_ps();
+            for (j, q) in qv.iter().enumerate() {
+                r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
+            }
+            r
+        } else {
+            let mut r = [_mm512_setzero_ps(); 4];
+            for (j, q) in qv.iter().enumerate() {
+                r[j % 4] = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r[j % 4]);
+            }
+            _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
+        };
+    }
+    acc
+}
+
 /// Dimensions `d0..d0 + 16 W` of every class's weighted sum of value rows: class `c`
 /// (`0..step`) adds `w[p] * v[p]` for `p = c, c + step, ...` in order, each lane with one
 /// fused multiply-add per position (as `axpy_f16` does); written to `classes[c * vd + d0..]`.
@@ -194,6 +249,7 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
         *q = round_f16(load16(&job.q[16 * i..]));
     }
+    let qa = &qv;
     let qv = &qv[..hd / 16];
 
     // Where each position's rows start (validated once, no division per row).
@@ -213,25 +269,14 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     let mut p0 = 0;
     while p0 < n {
         let m = (n - p0).min(16);
-        let mut acc = [_mm512_setzero_ps(); 16];
-        for (a, &o) in acc.iter_mut().zip(&offs[p0..p0 + m]) {
-            let key = &keys.data[o..o + hd];
-            *a = if gemm_scores {
-                let mut r = _mm512_setzero_ps();
-                for (j, q) in qv.iter().enumerate() {
-                    r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
-                }
-                r
-            } else {
-                let mut r = [_mm512_setzero_ps(); 4];
-                for (c, qc) in qv.chunks_exact(4).enumerate() {
-                    for (j, (r, q)) in r.iter_mut().zip(qc).enumerate() {
-                        *r = _mm512_fmadd_ps(*q, load_h16(&key[64 * c + 16 * j..]), *r);
-                    }
-                }
-                _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
-            };
-        }
+        let ko = &offs[p0..p0 + m];
+        let acc = match (hd, gemm_scores) {
+            (64, true) => keys16::<4, true>(qa, &keys.data, ko),
+            (64, false) => keys16::<4, false>(qa, &keys.data, ko),
+            (128, true) => keys16::<8, true>(qa, &keys.data, ko),
+            (128, false) => keys16::<8, false>(qa, &keys.data, ko),
+            _ => keys16_any(qv, &keys.data, ko, gemm_scores),
+        };
         let mut s = reduce16(&acc);
         if !gemm_scores {
             // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
