@@ -166,6 +166,33 @@ impl DisjointOut {
     }
 }
 
+/// [`DisjointOut`] for bytes (quantized activation rows).
+pub(crate) struct DisjointBytes {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the contract of `DisjointOut` applies: concurrent writes target disjoint ranges.
+unsafe impl Sync for DisjointBytes {}
+// SAFETY: as above.
+unsafe impl Send for DisjointBytes {}
+
+impl DisjointBytes {
+    pub(crate) fn new(out: &mut [u8]) -> Self {
+        DisjointBytes { ptr: out.as_mut_ptr(), len: out.len() }
+    }
+
+    /// The `len` bytes at `start`, for a range only this thread writes.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn range(&self, start: usize, len: usize) -> &mut [u8] {
+        assert!(start + len <= self.len, "output range out of bounds");
+        // SAFETY: in bounds (checked above); the range belongs to this thread alone for the
+        // duration of the run (contract), so no other reference to it exists.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.wrapping_add(start), len) }
+    }
+}
+
 /// `out[t][r] = W[r] · x[t]` for `t < n_tok`, `r < w.rows()`: `xq` holds `n_tok` activation
 /// rows already quantized for `w.act_ty()`, `out` is `n_tok × w.rows()` row-major.
 ///

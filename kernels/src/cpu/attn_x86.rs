@@ -271,11 +271,11 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
         let m = (n - p0).min(16);
         let ko = &offs[p0..p0 + m];
         let acc = match (hd, gemm_scores) {
-            (64, true) => keys16::<4, true>(qa, &keys.data, ko),
-            (64, false) => keys16::<4, false>(qa, &keys.data, ko),
-            (128, true) => keys16::<8, true>(qa, &keys.data, ko),
-            (128, false) => keys16::<8, false>(qa, &keys.data, ko),
-            _ => keys16_any(qv, &keys.data, ko, gemm_scores),
+            (64, true) => keys16::<4, true>(qa, keys.data, ko),
+            (64, false) => keys16::<4, false>(qa, keys.data, ko),
+            (128, true) => keys16::<8, true>(qa, keys.data, ko),
+            (128, false) => keys16::<8, false>(qa, keys.data, ko),
+            _ => keys16_any(qv, keys.data, ko, gemm_scores),
         };
         let mut s = reduce16(&acc);
         if !gemm_scores {

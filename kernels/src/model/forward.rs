@@ -8,9 +8,10 @@
 use std::sync::Mutex;
 
 use super::{KvCache, LlamaModel, ModelError, RopeKind};
+use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::ops::{
-    self, AttnMode, AttnScratch, DisjointOut, activation_bytes, attention, matmul,
+    self, AttnMode, AttnScratch, DisjointBytes, DisjointOut, activation_bytes, attention, matmul,
     quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
@@ -221,20 +222,25 @@ impl LlamaModel {
 
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
-            for t in 0..n {
-                (k.rmsnorm)(
-                    &s.x[t * d..(t + 1) * d],
-                    &l.attn_norm,
-                    c.norm_eps,
-                    &mut s.xn[t * d..(t + 1) * d],
-                );
+            {
+                let (x, xo) = (&s.x[..n * d], DisjointOut::new(&mut s.xn[..n * d]));
+                par_tokens(pool, n, &|r| {
+                    for t in r {
+                        (k.rmsnorm)(
+                            &x[t * d..(t + 1) * d],
+                            &l.attn_norm,
+                            c.norm_eps,
+                            xo.range(t * d, d),
+                        );
+                    }
+                });
             }
             trace("attn_norm", li, &s.xn[..n * d]);
             let wq = self.view(&l.wq)?;
             let wk = self.view(&l.wk)?;
             let wv = self.view(&l.wv)?;
             // Q, K and V reuse one quantization of the input when their types agree.
-            let mut len = quantize_activations(k, wq.act_ty(), &s.xn[..n * d], d, act)?.len();
+            let mut len = quantize_par(k, pool, wq.act_ty(), &s.xn[..n * d], d, act)?;
             matmul(k, pool, &wq, &act[..len], n, &mut s.q[..n * qd])?;
             if wk.act_ty() != wq.act_ty() {
                 len = quantize_activations(k, wk.act_ty(), &s.xn[..n * d], d, act)?.len();
@@ -248,18 +254,25 @@ impl LlamaModel {
             add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
             add_bias(&mut s.v[..n * kvd], l.bv.as_deref());
 
-            for t in 0..n {
-                let cache = &s.rope[t * rd..(t + 1) * rd];
+            {
                 let rope = match c.rope_kind {
                     RopeKind::Norm => ops::rope_norm,
                     RopeKind::Neox => ops::rope_neox,
                 };
-                for h in 0..c.n_head {
-                    rope(&mut s.q[t * qd + h * hd..t * qd + (h + 1) * hd], cache, rd);
-                }
-                for h in 0..c.n_head_kv {
-                    rope(&mut s.k[t * kvd + h * hd..t * kvd + (h + 1) * hd], cache, rd);
-                }
+                let rc = &s.rope;
+                let (qo, ko) =
+                    (DisjointOut::new(&mut s.q[..n * qd]), DisjointOut::new(&mut s.k[..n * kvd]));
+                par_tokens(pool, n, &|r| {
+                    for t in r {
+                        let cache = &rc[t * rd..(t + 1) * rd];
+                        for h in 0..c.n_head {
+                            rope(qo.range(t * qd + h * hd, hd), cache, rd);
+                        }
+                        for h in 0..c.n_head_kv {
+                            rope(ko.range(t * kvd + h * hd, hd), cache, rd);
+                        }
+                    }
+                });
             }
             trace("Qcur", li, &s.q[..n * qd]);
             trace("Kcur", li, &s.k[..n * kvd]);
@@ -316,43 +329,54 @@ impl LlamaModel {
 
             trace("kqv_out", li, &s.attn[..n * qd]);
             let wo = self.view(&l.wo)?;
-            let xq = quantize_activations(k, wo.act_ty(), &s.attn[..n * qd], qd, act)?;
-            matmul(k, pool, &wo, xq, n, &mut s.xn[..n * d])?;
-            for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
-                *x += o;
+            let len = quantize_par(k, pool, wo.act_ty(), &s.attn[..n * qd], qd, act)?;
+            matmul(k, pool, &wo, &act[..len], n, &mut s.xn[..n * d])?;
+            // The residual, then (row by row, after it) the feed-forward norm into `xn`.
+            {
+                let (xo, no) =
+                    (DisjointOut::new(&mut s.x[..n * d]), DisjointOut::new(&mut s.xn[..n * d]));
+                par_tokens(pool, n, &|r| {
+                    for t in r {
+                        let (x, o) = (xo.range(t * d, d), no.range(t * d, d));
+                        for (x, o) in x.iter_mut().zip(o.iter()) {
+                            *x += o;
+                        }
+                        (k.rmsnorm)(x, &l.ffn_norm, c.norm_eps, o);
+                    }
+                });
             }
 
             trace("ffn_inp", li, &s.x[..n * d]);
-            // Feed-forward block.
-            for t in 0..n {
-                (k.rmsnorm)(
-                    &s.x[t * d..(t + 1) * d],
-                    &l.ffn_norm,
-                    c.norm_eps,
-                    &mut s.xn[t * d..(t + 1) * d],
-                );
-            }
             let wg = self.view(&l.w_gate)?;
             let wu = self.view(&l.w_up)?;
-            let mut len = quantize_activations(k, wg.act_ty(), &s.xn[..n * d], d, act)?.len();
+            let mut len = quantize_par(k, pool, wg.act_ty(), &s.xn[..n * d], d, act)?;
             matmul(k, pool, &wg, &act[..len], n, &mut s.gate[..n * ff])?;
             if wu.act_ty() != wg.act_ty() {
                 len = quantize_activations(k, wu.act_ty(), &s.xn[..n * d], d, act)?.len();
             }
             matmul(k, pool, &wu, &act[..len], n, &mut s.up[..n * ff])?;
-            for t in 0..n {
-                let r = t * ff..(t + 1) * ff;
-                // The product overwrites `up`.
-                let (g, u) = (&s.gate[r.clone()], &mut s.up[r]);
-                swiglu_in_place(k, g, u);
+            {
+                let (gate, uo) = (&s.gate[..n * ff], DisjointOut::new(&mut s.up[..n * ff]));
+                par_tokens(pool, n, &|r| {
+                    for t in r {
+                        // The product overwrites `up`.
+                        swiglu_in_place(k, &gate[t * ff..(t + 1) * ff], uo.range(t * ff, ff));
+                    }
+                });
             }
             trace("ffn_swiglu", li, &s.up[..n * ff]);
             let wd = self.view(&l.w_down)?;
-            let xq = quantize_activations(k, wd.act_ty(), &s.up[..n * ff], ff, act)?;
-            matmul(k, pool, &wd, xq, n, &mut s.xn[..n * d])?;
+            let len = quantize_par(k, pool, wd.act_ty(), &s.up[..n * ff], ff, act)?;
+            matmul(k, pool, &wd, &act[..len], n, &mut s.xn[..n * d])?;
             trace("ffn_out", li, &s.xn[..n * d]);
-            for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
-                *x += o;
+            {
+                let (xo, o) = (DisjointOut::new(&mut s.x[..n * d]), &s.xn[..n * d]);
+                par_tokens(pool, n, &|r| {
+                    let x = xo.range(r.start * d, r.len() * d);
+                    for (x, o) in x.iter_mut().zip(&o[r.start * d..r.end * d]) {
+                        *x += o;
+                    }
+                });
             }
             trace("l_out", li, &s.x[..n * d]);
         }
@@ -375,6 +399,60 @@ impl LlamaModel {
         let xq = quantize_activations(k, wout.act_ty(), &s.out_x[..m * d], d, act)?;
         matmul(k, pool, &wout, xq, m, &mut logits[..m * c.n_vocab])?;
         Ok(m)
+    }
+}
+
+/// Steps of at least this many tokens run their per-token work (norms, rope, activation
+/// quantization, SwiGLU, residuals) on all of the pool's threads; smaller steps do it on the
+/// caller, where a dispatch would cost more than it saves.
+const PAR_TOKENS: usize = 16;
+
+/// Calls `f` with the tokens `0..n`, split into one contiguous run per thread when the step
+/// is large. `f` must write only the rows of the tokens it is given.
+fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    if n < PAR_TOKENS || pool.n_threads() == 1 {
+        f(0..n);
+    } else {
+        pool.run(&|i, nt| f(split_range(n, i, nt, 1)));
+    }
+}
+
+/// [`quantize_activations`] with the rows split over the pool (row by row, the same bits);
+/// returns the bytes used at the front of `out`.
+fn quantize_par(
+    k: &Kernels,
+    pool: &ThreadPool,
+    ty: crate::gguf::GgmlType,
+    x: &[f32],
+    cols: usize,
+    out: &mut [u8],
+) -> Result<usize, KernelError> {
+    let n = x.len().checked_div(cols).unwrap_or(0);
+    let row = activation_bytes(ty, cols, 1);
+    match row {
+        Some(row)
+            if n >= PAR_TOKENS
+                && pool.n_threads() > 1
+                && row.is_multiple_of(4)
+                && x.len() == n * cols
+                && out.len() >= n * row =>
+        {
+            let ob = DisjointBytes::new(&mut out[..n * row]);
+            let failed = std::sync::atomic::AtomicBool::new(false);
+            par_tokens(pool, n, &|r| {
+                for t in r {
+                    let src = &x[t * cols..(t + 1) * cols];
+                    if quantize_activations(k, ty, src, cols, ob.range(t * row, row)).is_err() {
+                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+            if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(KernelError::Shape("activation rows could not be quantized"));
+            }
+            Ok(n * row)
+        }
+        _ => Ok(quantize_activations(k, ty, x, cols, out)?.len()),
     }
 }
 
