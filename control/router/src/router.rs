@@ -9,8 +9,15 @@
 //! credit(w)         = Σ_tier tier_credit[tier] · overlap_blocks(w, tier)
 //! prefill_blocks(w) = max(B − credit(w), 0) + active_prefill_tokens(w) / block_size
 //! decode_blocks(w)  = active_blocks(w) + (B − blocks of the request already active on w)
-//! cost(w)           = overlap_weight · prefill_blocks(w) + decode_blocks(w)
+//! room_penalty(w)   = B if w's free blocks cannot hold the request's blocks not active on w,
+//!                     else 0
+//! cost(w)           = overlap_weight · (prefill_blocks(w) + room_penalty(w)) + decode_blocks(w)
 //! ```
+//!
+//! The room penalty (with [`RouterConfig::room_penalty`], and only for workers that have sent a
+//! load report, which carries the pool size) says that a request which would wait for blocks
+//! on a full worker costs at least as much as computing its whole prompt on one with room: a
+//! cached prefix keeps its requests on one worker only while that worker can take them.
 //!
 //! With the default credits (device 1, host 0.75, disk 0.25, remote 0) and weight 1 this is
 //! Dynamo's documented `overlap_score_weight · prefill_blocks + decode_blocks`, with its newer
@@ -106,6 +113,9 @@ pub struct RouterConfig {
     pub least_loaded_by: LoadMetric,
     /// Count a worker's reported load when it exceeds the predicted one.
     pub use_load_reports: bool,
+    /// Add the room penalty (see the module docs) for a worker whose free KV blocks (its
+    /// reported pool size less its active blocks) cannot hold the request's new blocks.
+    pub room_penalty: bool,
     /// Requests older than this are freed by [`Router::expire`].
     pub request_ttl: Duration,
     /// Most requests tracked at once.
@@ -126,6 +136,7 @@ impl Default for RouterConfig {
             temperature: 0.0,
             least_loaded_by: LoadMetric::ActiveBlocks,
             use_load_reports: true,
+            room_penalty: true,
             request_ttl: Duration::from_secs(300),
             max_requests: 1 << 20,
             index: IndexConfig::default(),
@@ -226,7 +237,7 @@ pub struct PotentialLoad {
     pub overlap_blocks: u32,
     /// Those blocks by best tier.
     pub overlap_by_tier: [u32; TIERS],
-    /// Prefill blocks (after the overlap credit, plus active prefill).
+    /// Prefill blocks (after the overlap credit, plus active prefill and the room penalty).
     pub prefill_blocks: f64,
     /// Decode blocks (active plus the request's new ones).
     pub decode_blocks: f64,
@@ -381,8 +392,19 @@ impl Router {
             } else {
                 0.0
             };
-            let prefill_blocks = (blocks - credit).max(0.0) + load.prefill_tokens as f64 / bs;
-            let decode_blocks = load.active_blocks as f64 + (blocks - active_overlap).max(0.0);
+            let new_blocks = (blocks - active_overlap).max(0.0);
+            let mut prefill_blocks = (blocks - credit).max(0.0) + load.prefill_tokens as f64 / bs;
+            if self.cfg.room_penalty
+                && let Some(r) = w.report.filter(|r| r.total_blocks > 0)
+            {
+                // Idle cached blocks count as free, and taking them uses that room up too;
+                // only blocks already active on the worker need none.
+                let free = (r.total_blocks as f64 - load.active_blocks as f64).max(0.0);
+                if new_blocks > free {
+                    prefill_blocks += blocks;
+                }
+            }
+            let decode_blocks = load.active_blocks as f64 + new_blocks;
             self.loads.push(PotentialLoad {
                 worker: w.id,
                 overlap_blocks,

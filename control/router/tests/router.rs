@@ -115,6 +115,40 @@ fn kv_mode_prefers_the_cache_until_load_outweighs_it() {
 }
 
 #[test]
+fn a_cached_prefix_on_a_full_worker_loses_to_room_elsewhere() {
+    let report = |worker_id, active_blocks| LoadReport {
+        worker_id,
+        active_blocks,
+        total_blocks: 64,
+        free_blocks: 64 - active_blocks,
+        ..LoadReport::default()
+    };
+    let q = req(&prompt(5, 20));
+    for penalty in [true, false] {
+        let cfg = RouterConfig {
+            block_size: BS,
+            overlap_weight: 4.0,
+            room_penalty: penalty,
+            ..RouterConfig::default()
+        };
+        let mut r = with_workers(Router::new(cfg).unwrap(), &[1, 2]);
+        // Worker 1 caches the whole prompt, but its active blocks leave room for only 10 of
+        // the 20 it would take; worker 2 is idle.
+        store(&mut r, 1, 1, StorageTier::Device, &q, 20);
+        assert!(r.apply_load(&report(1, 54)));
+        assert!(r.apply_load(&report(2, 0)));
+        let loads = r.potential_loads(&q);
+        // Worker 1: 4·(0 + 20) + 54 + 20 with the penalty; worker 2: 4·20 + 20.
+        let want = if penalty { 154.0 } else { 74.0 };
+        assert_eq!((loads[0].cost, loads[1].cost), (want, 100.0));
+        assert_eq!(r.select(&q).unwrap().worker, if penalty { 2 } else { 1 });
+        // With room on worker 1 the cache wins again.
+        assert!(r.apply_load(&report(1, 40)));
+        assert_eq!(r.select(&q).unwrap().worker, 1);
+    }
+}
+
+#[test]
 fn tier_credits_weigh_cached_blocks() {
     let mut r = with_workers(router(RoutingMode::Kv), &[1, 2, 3, 4]);
     let q = req(&prompt(3, 8));
