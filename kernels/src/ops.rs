@@ -490,8 +490,10 @@ pub struct AttnScratch {
 pub struct AttnHeadJob<'a> {
     /// Which of ggml's code paths the arithmetic follows.
     pub mode: AttnMode,
-    /// The query head (f32; rounded to f16 by the kernel).
+    /// The query heads (`heads × head_dim` f32; rounded to f16 by the kernel).
     pub q: &'a [f32],
+    /// Query heads sharing these keys and values (at most 4).
+    pub heads: usize,
     /// Keys of the head's KV head.
     pub keys: &'a PagedHead<'a>,
     /// Values of the head's KV head.
@@ -504,9 +506,10 @@ pub struct AttnHeadJob<'a> {
     pub softmax: fn(&mut [f32], f32),
 }
 
-/// A level's fused attention of one query head: returns `false`, having written nothing to
-/// `out`, when it does not cover the operands' shapes (the caller then takes the generic
-/// path, which also reports malformed operands).
+/// A level's fused attention of a group of query heads sharing one KV head (`out`:
+/// `heads × head_dim`): returns `false`, having written nothing to `out`, when it does not
+/// cover the operands' shapes (the caller then takes the generic path, which also reports
+/// malformed operands).
 pub type AttnHeadFn = fn(&AttnHeadJob<'_>, &mut AttnScratch, &mut [f32]) -> bool;
 
 impl AttnScratch {
@@ -514,9 +517,9 @@ impl AttnScratch {
     pub fn new(head_dim: usize, max_ctx: usize) -> Self {
         AttnScratch {
             q16: vec![f16::ZERO; head_dim],
-            scores: vec![0.0; max_ctx.max(1)],
+            scores: vec![0.0; MAX_ATTN_GROUP * max_ctx.max(1)],
             probs: vec![f16::ZERO; max_ctx.max(1)],
-            classes: vec![0.0; 64 * head_dim],
+            classes: vec![0.0; MAX_ATTN_GROUP * 64 * head_dim],
             wide: vec![0.0; head_dim],
             offs: vec![0; max_ctx.max(1)],
         }
@@ -544,19 +547,59 @@ pub fn attention(
         || out.len() != values.head_dim
         || sc.q16.len() < hd
         || sc.scores.len() < n_pos
+        || sc.probs.len() < n_pos
         || sc.classes.len() < 64 * values.head_dim
         || n_pos == 0
     {
         return Err(KernelError::Shape("attention operand sizes do not match"));
     }
     if let Some(fused) = k.attn_head {
-        let job = AttnHeadJob { mode, q, keys, values, n_pos, scale, softmax: k.softmax };
+        let job = AttnHeadJob { mode, q, heads: 1, keys, values, n_pos, scale, softmax: k.softmax };
         if fused(&job, sc, out) {
             return Ok(());
         }
     }
     attention_generic(k, mode, q, keys, values, n_pos, scale, sc, out)
 }
+
+/// [`attention`] of `heads` query heads that share one KV head (`q`: `heads × head_dim`,
+/// `out`: `heads × v_head_dim`, head after head); each head's output has the bits
+/// [`attention`] gives it alone. The fused kernels load each key and value once for the
+/// group.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_group(
+    k: &Kernels,
+    mode: AttnMode,
+    q: &[f32],
+    heads: usize,
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+    sc: &mut AttnScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let (hd, vd) = (keys.head_dim, values.head_dim);
+    if heads == 0 || q.len() != heads * hd || out.len() != heads * vd {
+        return Err(KernelError::Shape("attention group operand sizes do not match"));
+    }
+    if let Some(fused) = k.attn_head
+        && heads <= MAX_ATTN_GROUP
+    {
+        let job = AttnHeadJob { mode, q, heads, keys, values, n_pos, scale, softmax: k.softmax };
+        if fused(&job, sc, out) {
+            return Ok(());
+        }
+    }
+    for (q, out) in q.chunks_exact(hd).zip(out.chunks_exact_mut(vd)) {
+        attention(k, mode, q, keys, values, n_pos, scale, sc, out)?;
+    }
+    Ok(())
+}
+
+/// Query heads per KV head that [`attention_group`] computes together at most; scratch
+/// is sized for it.
+pub const MAX_ATTN_GROUP: usize = 4;
 
 /// [`attention`] without the level's fused kernel: the association twin that the fused
 /// kernels are tested against.
@@ -577,6 +620,7 @@ pub fn attention_generic(
         || out.len() != values.head_dim
         || sc.q16.len() < hd
         || sc.scores.len() < n_pos
+        || sc.probs.len() < n_pos
         || sc.classes.len() < 64 * values.head_dim
         || n_pos == 0
     {

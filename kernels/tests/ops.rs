@@ -542,6 +542,7 @@ fn fused_attention_is_bit_identical_to_the_generic_path() {
                             let job = ops::AttnHeadJob {
                                 mode,
                                 q: &q,
+                                heads: 1,
                                 keys: &keys,
                                 values: &values,
                                 n_pos,
@@ -574,6 +575,62 @@ fn fused_attention_is_bit_identical_to_the_generic_path() {
     }
     if kvx_kernels::cpu::SimdLevel::detect() == kvx_kernels::cpu::SimdLevel::Avx512 {
         assert!(fused_runs > 0, "the AVX-512 table has a fused attention kernel");
+    }
+}
+
+/// `attention_group` (the fused kernel with each key and value loaded once for the group's
+/// heads) gives every head exactly the bits of `attention_generic` for that head alone.
+#[test]
+fn grouped_attention_is_bit_identical_per_head() {
+    let mut rng = rng(66);
+    for k in levels() {
+        for hd in [64usize, 128, 32] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            for block_size in [7usize, 16] {
+                for n_pos in [1usize, 17, 64, 100, 257] {
+                    let c = make_cache(&mut rng, n_pos, block_size, 2, hd);
+                    let mut sc = AttnScratch::new(hd, 300);
+                    let mut sc2 = AttnScratch::new(hd, 300);
+                    let head = |data| PagedHead {
+                        data,
+                        block_table: &c.table,
+                        block_size,
+                        n_kv_heads: 2,
+                        head_dim: hd,
+                        kv_head: 1,
+                    };
+                    let (keys, values) = (head(&c.keys[..]), head(&c.values[..]));
+                    for heads in 1..=5 {
+                        let q = randv(&mut rng, heads * hd);
+                        for mode in [AttnMode::Decode, AttnMode::Prefill] {
+                            let mut got = vec![f32::NAN; heads * hd];
+                            ops::attention_group(
+                                &k, mode, &q, heads, &keys, &values, n_pos, scale, &mut sc,
+                                &mut got,
+                            )
+                            .unwrap();
+                            for (g, (qh, got)) in
+                                q.chunks_exact(hd).zip(got.chunks_exact(hd)).enumerate()
+                            {
+                                let mut want = vec![f32::NAN; hd];
+                                ops::attention_generic(
+                                    &k, mode, qh, &keys, &values, n_pos, scale, &mut sc2, &mut want,
+                                )
+                                .unwrap();
+                                let bits =
+                                    |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                                assert_eq!(
+                                    bits(got),
+                                    bits(&want),
+                                    "{} {mode:?} hd={hd} bs={block_size} n_pos={n_pos} {heads} heads, head {g}",
+                                    k.level
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

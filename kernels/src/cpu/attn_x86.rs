@@ -36,6 +36,9 @@ pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &m
 /// Widest head this kernel handles (elements).
 const MAX_HEAD: usize = 256;
 
+/// Most query heads one call handles (the query heads of one KV head).
+const MAX_GROUP: usize = crate::ops::MAX_ATTN_GROUP;
+
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
 fn load_h16(x: &[f16]) -> __m512 {
@@ -105,68 +108,83 @@ fn reduce_vertical(v: &[__m512; 16]) -> __m512 {
     _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]))
 }
 
-/// The 16-lane accumulators of up to 16 keys (rows at `offs`) against the query chunks
-/// `qv`: tinyBLAS's one accumulator (`GEMM`) or `vec_dot_f16`'s four added as it adds them.
-/// `NQ` (the head size / 16) is a constant so that the keys' chains interleave.
+/// The 16-lane accumulators of up to 16 keys (rows at `offs`) against the query chunks of
+/// `G` heads (`acc[g][i]`: head `g`, key `i`): tinyBLAS's one accumulator (`GEMM`) or
+/// `vec_dot_f16`'s four added as it adds them. Each key is loaded and converted once for
+/// the group; `NQ` (the head size / 16) is a constant so that the chains interleave.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
-fn keys16<const NQ: usize, const GEMM: bool>(
-    qa: &[__m512; MAX_HEAD / 16],
+fn keys16<const NQ: usize, const GEMM: bool, const G: usize>(
+    qa: &[[__m512; MAX_HEAD / 16]; MAX_GROUP],
     keys: &[f16],
     offs: &[usize],
-) -> [__m512; 16] {
-    let qv = &qa[..NQ];
-    let mut acc = [_mm512_setzero_ps(); 16];
-    for (a, &o) in acc.iter_mut().zip(offs) {
+    acc: &mut [[__m512; 16]; MAX_GROUP],
+) {
+    for (i, &o) in offs.iter().enumerate().take(16) {
         let key = &keys[o..o + 16 * NQ];
-        *a = if GEMM {
-            let mut r = _mm512_setzero_ps();
-            for (j, q) in qv.iter().enumerate() {
-                r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
-            }
-            r
-        } else {
-            let mut r = [_mm512_setzero_ps(); 4];
-            for (j, q) in qv.iter().enumerate() {
-                r[j % 4] = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r[j % 4]);
-            }
-            _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
-        };
+        let kv: [__m512; NQ] = std::array::from_fn(|j| load_h16(&key[16 * j..]));
+        for (g, qa) in qa.iter().enumerate().take(G) {
+            acc[g][i] = if GEMM {
+                let mut r = _mm512_setzero_ps();
+                for (q, k) in qa.iter().zip(&kv) {
+                    r = _mm512_fmadd_ps(*q, *k, r);
+                }
+                r
+            } else {
+                let mut r = [_mm512_setzero_ps(); 4];
+                for (j, (q, k)) in qa.iter().zip(&kv).enumerate() {
+                    r[j % 4] = _mm512_fmadd_ps(*q, *k, r[j % 4]);
+                }
+                _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
+            };
+        }
     }
-    acc
 }
 
-/// [`keys16`] for any head size (a multiple of 16; of 64 without `gemm`).
+/// [`keys16`] for any head size (a multiple of 16; of 64 without `gemm`) and group.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
-fn keys16_any(qv: &[__m512], keys: &[f16], offs: &[usize], gemm: bool) -> [__m512; 16] {
-    let hd = 16 * qv.len();
-    let mut acc = [_mm512_setzero_ps(); 16];
-    for (a, &o) in acc.iter_mut().zip(offs) {
-        let key = &keys[o..o + hd];
-        *a = if gemm {
-            let mut r = _mm512_setzero_ps();
-            for (j, q) in qv.iter().enumerate() {
-                r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
-            }
-            r
-        } else {
-            let mut r = [_mm512_setzero_ps(); 4];
-            for (j, q) in qv.iter().enumerate() {
-                r[j % 4] = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r[j % 4]);
-            }
-            _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
-        };
+fn keys16_any(
+    qa: &[[__m512; MAX_HEAD / 16]; MAX_GROUP],
+    g_n: usize,
+    nq: usize,
+    keys: &[f16],
+    offs: &[usize],
+    gemm: bool,
+    acc: &mut [[__m512; 16]; MAX_GROUP],
+) {
+    let hd = 16 * nq;
+    for (g, qa) in qa.iter().enumerate().take(g_n) {
+        let qv = &qa[..nq];
+        for (i, &o) in offs.iter().enumerate().take(16) {
+            let key = &keys[o..o + hd];
+            acc[g][i] = if gemm {
+                let mut r = _mm512_setzero_ps();
+                for (j, q) in qv.iter().enumerate() {
+                    r = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r);
+                }
+                r
+            } else {
+                let mut r = [_mm512_setzero_ps(); 4];
+                for (j, q) in qv.iter().enumerate() {
+                    r[j % 4] = _mm512_fmadd_ps(*q, load_h16(&key[16 * j..]), r[j % 4]);
+                }
+                _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]))
+            };
+        }
     }
-    acc
 }
 
 /// Dimensions `d0..d0 + 16 W` of every class's weighted sum of value rows: class `c`
 /// (`0..step`) adds `w[p] * v[p]` for `p = c, c + step, ...` in order, each lane with one
 /// fused multiply-add per position (as `axpy_f16` does); written to `classes[c * vd + d0..]`.
+/// For `G` heads at once: head `g`'s weights are `w[g * n..]`, its classes
+/// `classes[g * step * vd..]`; each value row is loaded once for all of them.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
-fn pv_classes<const W: usize>(
+#[allow(clippy::too_many_arguments)]
+fn pv_classes<const W: usize, const G: usize>(
     w: &[f32],
+    n: usize,
     values: &[f16],
     offs: &[usize],
     d0: usize,
@@ -174,21 +192,30 @@ fn pv_classes<const W: usize>(
     vd: usize,
     classes: &mut [f32],
 ) {
-    for (c, class) in classes.chunks_exact_mut(vd).enumerate() {
-        let mut acc = [_mm512_setzero_ps(); W];
-        let n = w.len().min(offs.len());
+    let n = n.min(offs.len());
+    if w.len() < G * n || classes.len() < G * step * vd {
+        return;
+    }
+    for c in 0..step {
+        let mut acc = [[_mm512_setzero_ps(); W]; G];
         let mut p = c;
         while p < n {
-            let wv = _mm512_set1_ps(w[p]);
             let o = offs[p] + d0;
             let v = &values[o..o + 16 * W];
-            for (k, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(wv, load_h16(&v[16 * k..]), *a);
+            let vv: [__m512; W] = std::array::from_fn(|k| load_h16(&v[16 * k..]));
+            for (g, acc) in acc.iter_mut().enumerate() {
+                let wv = _mm512_set1_ps(w[g * n + p]);
+                for (a, v) in acc.iter_mut().zip(&vv) {
+                    *a = _mm512_fmadd_ps(wv, *v, *a);
+                }
             }
             p += step;
         }
-        for (k, a) in acc.iter().enumerate() {
-            store16(&mut class[d0 + 16 * k..], *a);
+        for (g, acc) in acc.iter().enumerate() {
+            let class = &mut classes[(g * step + c) * vd..(g * step + c + 1) * vd];
+            for (k, a) in acc.iter().enumerate() {
+                store16(&mut class[d0 + 16 * k..], *a);
+            }
         }
     }
 }
@@ -220,7 +247,7 @@ fn row_offsets(head: &PagedHead<'_>, offs: &mut [usize]) -> bool {
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
-    let (keys, values, n) = (job.keys, job.values, job.n_pos);
+    let (keys, values, n, gn) = (job.keys, job.values, job.n_pos, job.heads);
     let (hd, vd) = (keys.head_dim, values.head_dim);
     let prefill = job.mode == AttnMode::Prefill;
     // The scores: tinyBLAS's one accumulator when ggml's gemm path takes the product (the
@@ -234,23 +261,25 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
         || !vd.is_multiple_of(16)
         || vd == 0
         || vd > MAX_HEAD
-        || job.q.len() != hd
-        || out.len() != vd
+        || gn == 0
+        || gn > MAX_GROUP
+        || job.q.len() != gn * hd
+        || out.len() != gn * vd
         || n == 0
-        || sc.scores.len() < n
+        || sc.scores.len() < gn * n
         || sc.offs.len() < n
-        || sc.classes.len() < step * vd
+        || sc.classes.len() < gn * step * vd
     {
         return false;
     }
 
-    // The query rounded to f16, in registers.
-    let mut qv = [_mm512_setzero_ps(); MAX_HEAD / 16];
-    for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
-        *q = round_f16(load16(&job.q[16 * i..]));
+    // The queries rounded to f16, in registers (or close by).
+    let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
+    for (g, qv) in qa.iter_mut().enumerate().take(gn) {
+        for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
+            *q = round_f16(load16(&job.q[g * hd + 16 * i..]));
+        }
     }
-    let qa = &qv;
-    let qv = &qv[..hd / 16];
 
     // Where each position's rows start (validated once, no division per row).
     let offs = &mut sc.offs[..n];
@@ -264,74 +293,112 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
         && keys.kv_head == values.kv_head
         && keys.data.len() == values.data.len();
 
-    // Scores, 16 keys at a time.
-    let scores = &mut sc.scores[..n];
+    // Scores, 16 keys at a time, each key loaded once for the group's queries.
+    let scores = &mut sc.scores[..gn * n];
+    let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
     let mut p0 = 0;
     while p0 < n {
         let m = (n - p0).min(16);
         let ko = &offs[p0..p0 + m];
-        let acc = match (hd, gemm_scores) {
-            (64, true) => keys16::<4, true>(qa, keys.data, ko),
-            (64, false) => keys16::<4, false>(qa, keys.data, ko),
-            (128, true) => keys16::<8, true>(qa, keys.data, ko),
-            (128, false) => keys16::<8, false>(qa, keys.data, ko),
-            _ => keys16_any(qv, keys.data, ko, gemm_scores),
-        };
-        let mut s = reduce16(&acc);
-        if !gemm_scores {
-            // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
-            s = _mm512_add_ps(s, _mm512_setzero_ps());
+        let a = &mut acc;
+        match (hd, gemm_scores, gn) {
+            (64, true, 1) => keys16::<4, true, 1>(&qa, keys.data, ko, a),
+            (64, true, 2) => keys16::<4, true, 2>(&qa, keys.data, ko, a),
+            (64, true, 3) => keys16::<4, true, 3>(&qa, keys.data, ko, a),
+            (64, true, _) => keys16::<4, true, 4>(&qa, keys.data, ko, a),
+            (64, false, 1) => keys16::<4, false, 1>(&qa, keys.data, ko, a),
+            (64, false, 2) => keys16::<4, false, 2>(&qa, keys.data, ko, a),
+            (64, false, 3) => keys16::<4, false, 3>(&qa, keys.data, ko, a),
+            (64, false, _) => keys16::<4, false, 4>(&qa, keys.data, ko, a),
+            (128, true, 1) => keys16::<8, true, 1>(&qa, keys.data, ko, a),
+            (128, false, 1) => keys16::<8, false, 1>(&qa, keys.data, ko, a),
+            _ => keys16_any(&qa, gn, hd / 16, keys.data, ko, gemm_scores, a),
         }
-        let mut buf = [0.0f32; 16];
-        store16(&mut buf, s);
-        scores[p0..p0 + m].copy_from_slice(&buf[..m]);
+        for (g, acc) in acc.iter().enumerate().take(gn) {
+            // Keys past `m` hold stale sums; their lanes are dropped below.
+            let mut s = reduce16(acc);
+            if !gemm_scores {
+                // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
+                s = _mm512_add_ps(s, _mm512_setzero_ps());
+            }
+            let mut buf = [0.0f32; 16];
+            store16(&mut buf, s);
+            scores[g * n + p0..g * n + p0 + m].copy_from_slice(&buf[..m]);
+        }
         p0 += m;
     }
     if !same_layout && !row_offsets(values, offs) {
         return false;
     }
 
-    (job.softmax)(scores, job.scale);
-    // The probabilities as f16 values, kept in f32.
-    let mut chunks = scores.chunks_exact_mut(16);
-    for c in &mut chunks {
-        store16(c, round_f16(load16(c)));
-    }
-    for v in chunks.into_remainder() {
-        *v = f16::from_f32(*v).to_f32();
+    for head in scores.chunks_exact_mut(n) {
+        (job.softmax)(head, job.scale);
+        // The probabilities as f16 values, kept in f32.
+        let mut chunks = head.chunks_exact_mut(16);
+        for c in &mut chunks {
+            store16(c, round_f16(load16(c)));
+        }
+        for v in chunks.into_remainder() {
+            *v = f16::from_f32(*v).to_f32();
+        }
     }
 
-    // Per class, its positions in order, accumulated in registers, 64 dimensions at a time.
-    let classes = &mut sc.classes[..step * vd];
+    // Per class, its positions in order, accumulated in registers, 64 dimensions at a time,
+    // each value row loaded once for the group.
+    let classes = &mut sc.classes[..gn * step * vd];
     let values = &values.data;
     for d0 in (0..vd).step_by(64) {
-        let pv = match (vd - d0) / 16 {
-            1 => pv_classes::<1>,
-            2 => pv_classes::<2>,
-            3 => pv_classes::<3>,
-            _ => pv_classes::<4>,
+        let pv = match ((vd - d0) / 16, gn) {
+            (1, _) => pv_classes_any::<1>,
+            (2, _) => pv_classes_any::<2>,
+            (3, _) => pv_classes_any::<3>,
+            (_, 1) => pv_classes::<4, 1>,
+            (_, 2) => pv_classes::<4, 2>,
+            (_, 3) => pv_classes::<4, 3>,
+            _ => pv_classes::<4, 4>,
         };
-        pv(scores, values, offs, d0, step, vd, classes);
+        pv(scores, n, values, offs, d0, step, vd, classes);
     }
     let nd = vd / 16;
 
     // The classes combined as the shape's registers are, 16 output dimensions at a time.
-    for k in 0..nd {
-        let lane = |c: usize| load16(&classes[c * vd + 16 * k..]);
-        let lanes: [__m512; 16] = if step == 16 {
-            std::array::from_fn(lane)
-        } else {
-            // Registers a = 0..4 hold classes 16a..16a + 16: (r0 + r2) + (r1 + r3).
-            std::array::from_fn(|l| {
-                _mm512_add_ps(
-                    _mm512_add_ps(lane(l), lane(32 + l)),
-                    _mm512_add_ps(lane(16 + l), lane(48 + l)),
-                )
-            })
-        };
-        // `SumShape::finish` ends with `(f64(sum) + 0.0) as f32`: -0 becomes +0.
-        let r = _mm512_add_ps(reduce_vertical(&lanes), _mm512_setzero_ps());
-        store16(&mut out[16 * k..], r);
+    for (g, out) in out.chunks_exact_mut(vd).enumerate() {
+        let classes = &classes[g * step * vd..(g + 1) * step * vd];
+        for k in 0..nd {
+            let lane = |c: usize| load16(&classes[c * vd + 16 * k..]);
+            let lanes: [__m512; 16] = if step == 16 {
+                std::array::from_fn(lane)
+            } else {
+                // Registers a = 0..4 hold classes 16a..16a + 16: (r0 + r2) + (r1 + r3).
+                std::array::from_fn(|l| {
+                    _mm512_add_ps(
+                        _mm512_add_ps(lane(l), lane(32 + l)),
+                        _mm512_add_ps(lane(16 + l), lane(48 + l)),
+                    )
+                })
+            };
+            // `SumShape::finish` ends with `(f64(sum) + 0.0) as f32`: -0 becomes +0.
+            let r = _mm512_add_ps(reduce_vertical(&lanes), _mm512_setzero_ps());
+            store16(&mut out[16 * k..], r);
+        }
     }
     true
+}
+
+/// [`pv_classes`] for groups of any size up to [`MAX_GROUP`] (head by head).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+fn pv_classes_any<const W: usize>(
+    w: &[f32],
+    n: usize,
+    values: &[f16],
+    offs: &[usize],
+    d0: usize,
+    step: usize,
+    vd: usize,
+    classes: &mut [f32],
+) {
+    for (w, classes) in w.chunks_exact(n.max(1)).zip(classes.chunks_exact_mut(step * vd)) {
+        pv_classes::<W, 1>(w, n, values, offs, d0, step, vd, classes);
+    }
 }

@@ -11,8 +11,8 @@ use super::{KvCache, LlamaModel, ModelError, RopeKind};
 use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::ops::{
-    self, AttnMode, AttnScratch, DisjointBytes, DisjointOut, activation_bytes, attention, matmul,
-    quantize_activations,
+    self, AttnMode, AttnScratch, DisjointBytes, DisjointOut, activation_bytes, attention_group,
+    matmul, quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
 
@@ -214,11 +214,15 @@ impl LlamaModel {
 
         // Attention work per (token, head) pair grows with the position: split the pairs
         // into runs of equal cost (a causal prompt's later half costs three times its first).
-        balance_pairs(&s.tok, c.n_head, pool.n_threads(), &mut s.attn_bounds);
+        // Attention units: one token's query heads of one KV head (computed together, each
+        // key and value loaded once for them), or single heads when the group is too large.
+        let group = c.n_head / c.n_head_kv;
+        let per = if group <= ops::MAX_ATTN_GROUP { group } else { 1 };
+        let units = c.n_head / per;
+        balance_pairs(&s.tok, units, pool.n_threads(), &mut s.attn_bounds);
 
         let act = bytemuck::cast_slice_mut::<u32, u8>(&mut s.act);
         let scale = 1.0 / (hd as f32).sqrt();
-        let group = c.n_head / c.n_head_kv;
 
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
@@ -292,8 +296,8 @@ impl LlamaModel {
                 );
             }
 
-            // Attention, parallel over (token, head) pairs.
-            // Each (token, head) pair — hence its output range — belongs to one thread.
+            // Attention, parallel over (token, head group) units.
+            // Each unit — hence its output range — belongs to one thread.
             let out = DisjointOut::new(&mut s.attn[..n * qd]);
             let kvc = &*kv;
             let (tok, q, per_thread, bounds) = (&s.tok, &s.q, &s.per_thread, &s.attn_bounds);
@@ -306,16 +310,17 @@ impl LlamaModel {
                 let sc = &mut *sc;
                 let mine = match (bounds.get(i), bounds.get(i + 1)) {
                     (Some(&a), Some(&b)) if bounds.len() == nt + 1 => a..b,
-                    _ => split_range(n * c.n_head, i, nt, 1),
+                    _ => split_range(n * units, i, nt, 1),
                 };
-                for pair in mine {
-                    let (t, h) = (pair / c.n_head, pair % c.n_head);
+                for unit in mine {
+                    let (t, h) = (unit / units, (unit % units) * per);
                     let (ci, pos) = tok[t];
                     let (keys, values) = kvc.heads(li, h / group, chunks[ci as usize].block_table);
-                    let o = out.range(t * qd + h * hd, hd);
-                    let qh = &q[t * qd + h * hd..t * qd + (h + 1) * hd];
+                    let o = out.range(t * qd + h * hd, per * hd);
+                    let qh = &q[t * qd + h * hd..t * qd + (h + per) * hd];
                     let mode = chunks[ci as usize].mode;
-                    if attention(k, mode, qh, &keys, &values, pos as usize + 1, scale, sc, o)
+                    let n_pos = pos as usize + 1;
+                    if attention_group(k, mode, qh, per, &keys, &values, n_pos, scale, sc, o)
                         .is_err()
                     {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
