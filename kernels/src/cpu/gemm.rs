@@ -265,7 +265,10 @@ fn pack_pairs<A: ActBlock>(acts: &[A], n_tok: usize, nb: usize, c: i32, dst: &mu
             }
             let lanes = 8 * h..8 * h + 8;
             rec.d[p][lanes.clone()].fill(a.d().to_f32());
-            rec.corr[p][lanes].copy_from_slice(&corrections(a.qs(), c));
+            if c != 0 {
+                // (`Q8_1` activations need none: the record was zeroed.)
+                rec.corr[p][lanes].copy_from_slice(&corrections(a.qs(), c));
+            }
             rec.s[slot] = a.s().to_f32();
         }
     }
