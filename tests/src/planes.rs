@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use crate::serve::{HttpResponse, http};
+use crate::serve::Endpoint;
 use crate::{kvx_bin, test_model};
 
 /// Heartbeat flags that make lost workers visible within about a second.
@@ -64,6 +64,12 @@ pub struct Frontend {
     pub workers: String,
 }
 
+impl Endpoint for Frontend {
+    fn addr(&self) -> &str {
+        &self.addr
+    }
+}
+
 impl Frontend {
     /// `kvx frontend --port 0 --worker-listen 127.0.0.1:0 --model $KVX_TEST_MODEL ARGS`.
     pub fn start(args: &[&str]) -> Frontend {
@@ -79,25 +85,6 @@ impl Frontend {
         let workers = wait_line(&mut child, &rx, "workers join at ");
         let addr = wait_line(&mut child, &rx, "listening on http://");
         Frontend { child, addr, workers }
-    }
-
-    /// `GET path`.
-    pub fn get(&self, path: &str) -> HttpResponse {
-        http(&self.addr, "GET", path, &[], None)
-    }
-
-    /// `POST path` with a JSON body.
-    pub fn post(&self, path: &str, body: &serde_json::Value) -> HttpResponse {
-        http(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
-    }
-
-    /// The value of a series (name with its labels, as printed) in `/metrics`.
-    pub fn metric(&self, series: &str) -> Option<f64> {
-        let text = self.get("/metrics").text();
-        text.lines().find_map(|l| {
-            let (name, v) = l.rsplit_once(' ')?;
-            (name == series).then(|| v.parse().ok()).flatten()
-        })
     }
 
     /// Workers registered now.

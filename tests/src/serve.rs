@@ -75,24 +75,36 @@ impl Served {
         }
         None
     }
+}
+
+/// A server under test: the requests and metrics every kvx HTTP server answers.
+pub trait Endpoint {
+    /// Its HTTP address.
+    fn addr(&self) -> &str;
 
     /// `GET path`.
-    pub fn get(&self, path: &str) -> HttpResponse {
-        http(&self.addr, "GET", path, &[], None)
+    fn get(&self, path: &str) -> HttpResponse {
+        http(self.addr(), "GET", path, &[], None)
     }
 
     /// `POST path` with a JSON body.
-    pub fn post(&self, path: &str, body: &serde_json::Value) -> HttpResponse {
-        http(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
+    fn post(&self, path: &str, body: &serde_json::Value) -> HttpResponse {
+        http(self.addr(), "POST", path, &[], Some(body.to_string().as_bytes()))
     }
 
-    /// The value of an unlabelled series (or one with exactly these labels) in `/metrics`.
-    pub fn metric(&self, series: &str) -> Option<f64> {
+    /// The value of a series (its name with its labels, as printed) in `/metrics`.
+    fn metric(&self, series: &str) -> Option<f64> {
         let text = self.get("/metrics").text();
         text.lines().find_map(|l| {
             let (name, v) = l.rsplit_once(' ')?;
             (name == series).then(|| v.parse().ok()).flatten()
         })
+    }
+}
+
+impl Endpoint for Served {
+    fn addr(&self) -> &str {
+        &self.addr
     }
 }
 

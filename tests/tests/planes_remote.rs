@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use kvx_e2e::planes::{FAST_HEARTBEAT, Frontend, Worker};
-use kvx_e2e::serve::{HttpResponse, http};
+use kvx_e2e::serve::{Endpoint, HttpResponse, http};
 use serde_json::{Value, json};
 
 /// Mock engines ten times faster than Dynamo's timing model.

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvx_e2e::serve::{HttpResponse, Served, http, sse_events};
+use kvx_e2e::serve::{Endpoint, HttpResponse, Served, http, sse_events};
 use kvx_e2e::{kvx_ok, test_model};
 use serde_json::{Value, json};
 

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use kvx_e2e::serve::{Served, http, sse_events};
+use kvx_e2e::serve::{Endpoint, Served, http, sse_events};
 use kvx_e2e::{oracle_python, root};
 use serde_json::{Value, json};
 

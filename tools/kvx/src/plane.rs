@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
-use kvx_proto::hashing::{BlockHasher, seed_for};
+use kvx_proto::hashing::seed_for;
 use kvx_proto::{GenerateRequest, Output, RequestId, StorageTier, WorkerMetrics};
 use kvx_router::{ApplyResult, RequestBlocks, Router, RouterConfig, SnapshotBlock};
 use kvx_worker::{Command, ShardEvent, ShardHandle, SubmitError};
@@ -148,10 +148,7 @@ impl Dispatcher for LocalPlane {
     fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Output>, DispatchError> {
         let s = &self.shared;
         let seed = seed_for(req.salt.as_deref(), None);
-        let blocks = RequestBlocks::from_hashes(
-            req.prompt.len() as u64,
-            &BlockHasher::hash_all(s.block_size, seed, &req.prompt),
-        );
+        let blocks = RequestBlocks::from_tokens(&req.prompt, s.block_size, seed);
         let now = s.start.elapsed();
         let id = req.id;
         let t0 = Instant::now();

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
-use kvx_proto::hashing::{BlockHasher, seed_for};
+use kvx_proto::hashing::seed_for;
 use kvx_proto::plane::{
     Cancel, Heartbeat, KvEvents, Load, Note, NoteKind, OutputMsg, Register, Registered, Snapshot,
     SnapshotRequest, Submit, kind,
@@ -421,10 +421,7 @@ impl Dispatcher for RemotePlane {
     fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Output>, DispatchError> {
         let s = &self.shared;
         let seed = seed_for(req.salt.as_deref(), None);
-        let blocks = RequestBlocks::from_hashes(
-            req.prompt.len() as u64,
-            &BlockHasher::hash_all(s.block_size, seed, &req.prompt),
-        );
+        let blocks = RequestBlocks::from_tokens(&req.prompt, s.block_size, seed);
         let now = s.now();
         let (tx, rx) = unbounded_channel();
         let mut st = s.lock();

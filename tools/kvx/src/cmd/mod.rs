@@ -16,6 +16,7 @@ mod bench_xfer;
 mod engine;
 mod frontend;
 mod generate;
+mod http_opts;
 mod model;
 mod router_opts;
 mod serve;

@@ -2,7 +2,6 @@
 //! CPU kernels, or the mocker's timing model), with graceful shutdown on SIGTERM / Ctrl-C.
 
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -13,16 +12,16 @@ use clap::{Args, ValueEnum};
 use kvx_engine::mocker::{MockBackend, MockConfig};
 use kvx_engine::scheduler::SchedulerConfig;
 use kvx_engine::{Engine, EngineConfig, EngineError};
-use kvx_ingress::{Dispatcher, IngressConfig, ModelInfo, Server};
+use kvx_ingress::{Dispatcher, ModelInfo, Server};
 use kvx_kernels::gguf::GgufFile;
 use kvx_kernels::model::{KvCache, LlamaConfig};
-use kvx_router::RouterConfig;
 use kvx_tokenizer::Tokenizer;
 use kvx_worker::{ShardConfig, ShardEvent, ShardHandle};
 
 use super::Runtime;
 use super::engine::{EngineOpts, Loaded, pinned_pool};
-use crate::models::{CATALOGUE, DEFAULT};
+use super::http_opts::{HttpOpts, shutdown_signal};
+use super::router_opts::RouterOpts;
 use crate::plane::LocalPlane;
 
 /// What computes tokens.
@@ -37,37 +36,16 @@ pub(crate) enum EngineKind {
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
-    /// Address to listen on.
-    #[arg(long, env = "KVX_HOST", default_value = "127.0.0.1")]
-    host: IpAddr,
-    /// Port to listen on (0 = any free port; the bound address is printed).
-    #[arg(long, env = "KVX_PORT", default_value_t = 8000)]
-    port: u16,
-    /// Model name clients use (default: the model's catalogue name or file stem).
-    #[arg(long, env = "KVX_SERVED_MODEL_NAME")]
-    served_model_name: Option<String>,
-    /// Accepted API key (repeatable; `KVX_API_KEYS` takes a comma-separated list). Without
-    /// keys no authentication is asked for.
-    #[arg(long = "api-key", env = "KVX_API_KEYS", value_delimiter = ',', hide_env_values = true)]
-    api_keys: Vec<String>,
-    /// Largest request body in bytes (413 above).
-    #[arg(long, env = "KVX_MAX_BODY_BYTES", default_value_t = 8 << 20)]
-    max_body_bytes: usize,
-    /// Seconds running requests get to finish after SIGTERM before they are cancelled.
-    #[arg(long, env = "KVX_SHUTDOWN_GRACE", default_value_t = 30.0)]
-    shutdown_grace: f64,
+    #[command(flatten)]
+    http: HttpOpts,
+    #[command(flatten)]
+    router: RouterOpts,
     /// Engine shards (default: one per core).
     #[arg(long, env = "KVX_SHARDS")]
     shards: Option<usize>,
     /// Kernel threads per shard (default 1, or --threads).
     #[arg(long, env = "KVX_THREADS_PER_SHARD")]
     threads_per_shard: Option<usize>,
-    /// HTTP threads (default: one per core).
-    #[arg(long, env = "KVX_HTTP_THREADS")]
-    http_threads: Option<usize>,
-    /// Requests served at once at most (429 above).
-    #[arg(long, env = "KVX_MAX_INFLIGHT", default_value_t = 4096)]
-    max_inflight: usize,
     /// What computes tokens.
     #[arg(long, value_enum, env = "KVX_ENGINE", default_value = "model")]
     engine: EngineKind,
@@ -84,21 +62,6 @@ pub(crate) struct ServeArgs {
     mocker_vocab: usize,
     #[command(flatten)]
     opts: EngineOpts,
-}
-
-/// The name clients use for the model at `path` resolved from `spec`.
-fn model_name(spec: Option<&str>, path: &Path) -> String {
-    match spec {
-        None => DEFAULT.name.to_string(),
-        Some(s) if CATALOGUE.iter().any(|k| k.name == s) => s.to_string(),
-        Some(_) => {
-            let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
-            match CATALOGUE.iter().find(|k| k.file == file) {
-                Some(k) => k.name.to_string(),
-                None => path.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
-            }
-        }
-    }
 }
 
 /// The CPUs this process may run on, in order.
@@ -240,34 +203,14 @@ fn spawn_shard(
         .map_err(|e| anyhow::anyhow!("starting shard {index}: {e}"))
 }
 
-async fn shutdown_signal() {
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
-    match term {
-        Ok(mut t) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = t.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     if !(args.speedup_ratio.is_finite() && args.speedup_ratio > 0.0) {
         bail!("--speedup-ratio must be a positive number");
     }
-    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
-        bail!("--shutdown-grace must be a non-negative number of seconds");
-    }
+    let cfg = args.http.ingress()?;
     let t0 = Instant::now();
     let path = rt.store.resolve(args.opts.model.as_deref())?;
-    let name = args
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| model_name(args.opts.model.as_deref(), &path));
+    let name = args.http.model_name(args.opts.model.as_deref());
     let cores = allowed_cores();
     let n_cores = cores.len().max(1);
     let n = args.shards.unwrap_or(n_cores).max(1);
@@ -287,27 +230,12 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         tokenizer: shards.tokenizer.clone(),
         created,
     };
-    let router = RouterConfig {
-        block_size: u32::try_from(shards.block_size).context("--block-size is too large")?,
-        ..RouterConfig::default()
-    };
+    let router = args.router.config(shards.block_size)?;
     let plane = Arc::new(LocalPlane::new(shards.handles, router, ev_rx)?);
     let dispatcher: Arc<dyn Dispatcher> = plane.clone();
-    let cfg = IngressConfig {
-        addr: SocketAddr::new(args.host, args.port),
-        api_keys: args.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect(),
-        max_body_bytes: args.max_body_bytes,
-        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
-        max_inflight: args.max_inflight.max(1),
-    };
     let keyed = !cfg.api_keys.is_empty();
     let grace = cfg.shutdown_grace;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.http_threads.unwrap_or(n_cores).max(1))
-        .thread_name("kvx-http")
-        .enable_all()
-        .build()
-        .context("starting the HTTP runtime")?;
+    let runtime = args.http.runtime(n_cores, "kvx-http")?;
     let report = runtime.block_on(async move {
         let server = Server::bind(cfg, model, dispatcher).await?;
         let addr = server.local_addr()?;

@@ -17,7 +17,7 @@ use kvx_worker::{Hosted, RemoteConfig, ShardConfig, ShardEvent};
 
 use super::Runtime;
 use super::engine::{EngineOpts, pinned_pool};
-use crate::models::{CATALOGUE, DEFAULT};
+use super::http_opts::{served_name, shutdown_signal};
 
 /// What computes tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -98,36 +98,6 @@ pub(crate) struct WorkerArgs {
     plane: PlaneOpts,
     #[command(flatten)]
     opts: EngineOpts,
-}
-
-/// The name clients use for the model `--model` names (`None`: the default model).
-pub(crate) fn served_name(spec: Option<&str>) -> String {
-    let Some(spec) = spec else { return DEFAULT.name.to_string() };
-    if CATALOGUE.iter().any(|k| k.name == spec) {
-        return spec.to_string();
-    }
-    let path = std::path::Path::new(spec);
-    let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
-    match CATALOGUE.iter().find(|k| k.file == file) {
-        Some(k) => k.name.to_string(),
-        None => path.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
-    }
-}
-
-/// Completes on SIGTERM or Ctrl-C.
-pub(crate) async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut t) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = t.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
 
 /// A random first worker id with room for 65 536 engines after it.

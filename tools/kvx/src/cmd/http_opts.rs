@@ -1,0 +1,108 @@
+//! HTTP flags shared by the commands that serve the OpenAI API (`serve`, `frontend`), the one
+//! place that turns them into an [`IngressConfig`] and the HTTP runtime, and the helpers every
+//! serving command uses (the served model name, the shutdown signal).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvx_ingress::IngressConfig;
+
+use crate::models::{CATALOGUE, DEFAULT};
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct HttpOpts {
+    /// Address to listen on for HTTP.
+    #[arg(long, env = "KVX_HOST", default_value = "127.0.0.1")]
+    pub(crate) host: IpAddr,
+    /// HTTP port (0 = any free port; the bound address is printed).
+    #[arg(long, env = "KVX_PORT", default_value_t = 8000)]
+    pub(crate) port: u16,
+    /// Model name clients use (default: the model's catalogue name or file stem); remote
+    /// workers must register with the same.
+    #[arg(long, env = "KVX_SERVED_MODEL_NAME")]
+    pub(crate) served_model_name: Option<String>,
+    /// Accepted API key (repeatable; `KVX_API_KEYS` takes a comma-separated list). Without
+    /// keys no authentication is asked for.
+    #[arg(long = "api-key", env = "KVX_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub(crate) api_keys: Vec<String>,
+    /// Largest request body in bytes (413 above).
+    #[arg(long, env = "KVX_MAX_BODY_BYTES", default_value_t = 8 << 20)]
+    pub(crate) max_body_bytes: usize,
+    /// Seconds running requests get to finish after SIGTERM before they are cancelled.
+    #[arg(long, env = "KVX_SHUTDOWN_GRACE", default_value_t = 30.0)]
+    pub(crate) shutdown_grace: f64,
+    /// Requests served at once at most (429 above).
+    #[arg(long, env = "KVX_MAX_INFLIGHT", default_value_t = 4096)]
+    pub(crate) max_inflight: usize,
+    /// HTTP threads (default: one per core).
+    #[arg(long, env = "KVX_HTTP_THREADS")]
+    pub(crate) http_threads: Option<usize>,
+}
+
+impl HttpOpts {
+    /// The ingress configuration (checks the flags).
+    pub(crate) fn ingress(&self) -> Result<IngressConfig> {
+        if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
+            bail!("--shutdown-grace must be a non-negative number of seconds");
+        }
+        Ok(IngressConfig {
+            addr: SocketAddr::new(self.host, self.port),
+            api_keys: self.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect(),
+            max_body_bytes: self.max_body_bytes,
+            shutdown_grace: Duration::from_secs_f64(self.shutdown_grace),
+            max_inflight: self.max_inflight.max(1),
+        })
+    }
+
+    /// The name clients use for the model given as `spec` (`--model`).
+    pub(crate) fn model_name(&self, spec: Option<&str>) -> String {
+        self.served_model_name.clone().unwrap_or_else(|| served_name(spec))
+    }
+
+    /// The HTTP runtime: `--http-threads` threads, or one per core of `cores`.
+    pub(crate) fn runtime(
+        &self,
+        cores: usize,
+        thread_name: &str,
+    ) -> Result<tokio::runtime::Runtime> {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(self.http_threads.unwrap_or(cores).max(1))
+            .thread_name(thread_name)
+            .enable_all()
+            .build()
+            .context("starting the HTTP runtime")
+    }
+}
+
+/// The name clients use for the model given as `spec`: the catalogue name, or a GGUF path's
+/// catalogue name or file stem; the default model's name when absent.
+pub(crate) fn served_name(spec: Option<&str>) -> String {
+    let Some(spec) = spec else { return DEFAULT.name.to_string() };
+    if CATALOGUE.iter().any(|k| k.name == spec) {
+        return spec.to_string();
+    }
+    let path = std::path::Path::new(spec);
+    let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+    match CATALOGUE.iter().find(|k| k.file == file) {
+        Some(k) => k.name.to_string(),
+        None => path.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
+    }
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+pub(crate) async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut t) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = t.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
