@@ -13,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
 use kvx_proto::hashing::seed_for;
-use kvx_proto::{GenerateRequest, Output, RequestId, StorageTier, WorkerMetrics};
+use kvx_proto::{
+    GenerateRequest, Output, RequestId, SequenceHash, StorageTier, StoredBlock, WorkerId,
+    WorkerMetrics,
+};
 use kvx_router::{ApplyResult, RequestBlocks, Router, RouterConfig, SnapshotBlock};
 use kvx_worker::{Command, ShardEvent, ShardHandle, SubmitError};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -111,17 +114,7 @@ fn feed(s: &Shared, events: &Receiver<ShardEvent>) {
                         r.free(id);
                     }
                     ShardEvent::Snapshot { worker_id, last_event_id, blocks } => {
-                        let blocks: Vec<SnapshotBlock> = blocks
-                            .into_iter()
-                            .map(|(parent, block)| SnapshotBlock {
-                                tier: StorageTier::Device,
-                                parent,
-                                block,
-                            })
-                            .collect();
-                        if let Err(e) = r.resync(worker_id, last_event_id, &blocks) {
-                            tracing::warn!(worker = worker_id, error = %e, "resync failed");
-                        }
+                        resync_from(&mut r, worker_id, last_event_id, blocks);
                     }
                 }
             }
@@ -235,6 +228,23 @@ impl Dispatcher for LocalPlane {
 
     fn router_metrics(&self) -> Vec<(&'static str, f64)> {
         router_metrics(&self.router())
+    }
+}
+
+/// Rebuilds a worker's part of the index from its snapshot of device blocks
+/// (`(parent, block)`, parents first) taken after event `last_event_id`.
+pub(crate) fn resync_from(
+    r: &mut Router,
+    worker: WorkerId,
+    last_event_id: u64,
+    blocks: Vec<(Option<SequenceHash>, StoredBlock)>,
+) {
+    let blocks: Vec<SnapshotBlock> = blocks
+        .into_iter()
+        .map(|(parent, block)| SnapshotBlock { tier: StorageTier::Device, parent, block })
+        .collect();
+    if let Err(e) = r.resync(worker, last_event_id, &blocks) {
+        tracing::warn!(worker, error = %e, "resync failed");
     }
 }
 

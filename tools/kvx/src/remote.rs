@@ -26,16 +26,14 @@ use kvx_proto::plane::{
     SnapshotRequest, Submit, kind,
 };
 use kvx_proto::wire::{self, WireError};
-use kvx_proto::{
-    ErrorClass, GenerateRequest, Output, RequestId, StorageTier, WorkerId, WorkerMetrics,
-};
-use kvx_router::{RequestBlocks, Router, RouterConfig, SnapshotBlock};
+use kvx_proto::{ErrorClass, GenerateRequest, Output, RequestId, WorkerId, WorkerMetrics};
+use kvx_router::{RequestBlocks, Router, RouterConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use crate::plane::router_metrics;
+use crate::plane::{resync_from, router_metrics};
 
 /// Settings of the remote planes, frontend side.
 #[derive(Debug, Clone)]
@@ -667,18 +665,7 @@ fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
         }
         Up::Snapshot(s) => {
             if st.owns(conn, s.worker_id) {
-                let blocks: Vec<SnapshotBlock> = s
-                    .blocks
-                    .into_iter()
-                    .map(|(parent, block)| SnapshotBlock {
-                        tier: StorageTier::Device,
-                        parent,
-                        block,
-                    })
-                    .collect();
-                if let Err(e) = st.router.resync(s.worker_id, s.last_event_id, &blocks) {
-                    tracing::warn!(worker = s.worker_id, error = %e, "resync failed");
-                }
+                resync_from(&mut st.router, s.worker_id, s.last_event_id, s.blocks);
             }
         }
         Up::Load(l) => {

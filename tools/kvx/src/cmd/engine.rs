@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use kvx_engine::scheduler::SchedulerConfig;
-use kvx_engine::{Engine, EngineConfig, ModelBackend};
+use kvx_engine::{Engine, EngineConfig, EngineError, ModelBackend};
 use kvx_kernels::cpu::Kernels;
 use kvx_kernels::gguf::GgufFile;
 use kvx_kernels::model::{KvCache, LlamaModel};
@@ -120,6 +120,33 @@ impl EngineOpts {
     }
 }
 
+impl EngineOpts {
+    /// The constructor of one shard's engine, run on the shard's own thread: a kernel pool of
+    /// `threads` threads (pinned to `cores`, thread `i` to `cores[i]`, unless `cores` is empty)
+    /// and the engine over it.
+    pub(crate) fn shard_engine(
+        &self,
+        loaded: &Loaded,
+        kernels: &'static Kernels,
+        threads: usize,
+        cores: Vec<usize>,
+        engines: usize,
+        worker_id: u64,
+    ) -> impl FnOnce() -> Result<Engine, EngineError> + Send + 'static {
+        let (opts, loaded) = (self.clone(), loaded.clone());
+        move || {
+            let internal = |e: anyhow::Error| EngineError::Internal(format!("{e:#}"));
+            let pool = if cores.is_empty() {
+                ThreadPool::new(threads).context("starting kernel threads")
+            } else {
+                pinned_pool(threads, cores)
+            }
+            .map_err(internal)?;
+            opts.engine(&loaded, kernels, pool, engines, worker_id).map_err(internal)
+        }
+    }
+}
+
 fn default_kv_bytes() -> u64 {
     let total = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -138,7 +165,6 @@ pub(crate) fn threads_per_engine(opts: &EngineOpts, cores: usize, engines: usize
 }
 
 /// Builds a kernel pool whose threads are pinned to `cores` (thread `i` to `cores[i]`).
-#[allow(dead_code)]
 pub(crate) fn pinned_pool(n: usize, cores: Vec<usize>) -> Result<ThreadPool> {
     ThreadPool::with_start_hook(n, move |i| {
         if let Some(&c) = cores.get(i) {

@@ -19,7 +19,7 @@ use kvx_tokenizer::Tokenizer;
 use kvx_worker::{ShardConfig, ShardEvent, ShardHandle};
 
 use super::Runtime;
-use super::engine::{EngineOpts, Loaded, pinned_pool};
+use super::engine::{EngineOpts, Loaded};
 use super::http_opts::{HttpOpts, shutdown_signal};
 use super::router_opts::RouterOpts;
 use crate::plane::LocalPlane;
@@ -168,20 +168,13 @@ fn start_model(
     let blocks = args.opts.kv_blocks(&loaded.model, n);
     let mut handles = Vec::with_capacity(n);
     for i in 0..n {
-        let (opts, loaded2) = (args.opts.clone(), loaded.clone());
         // Shard i runs on its core; its kernel threads on the next ones.
-        let mine: Vec<usize> = cores.iter().skip(i * tps).take(tps).copied().collect();
-        let core = if mine.len() == tps { mine.first().copied() } else { None };
-        let make = move || -> Result<Engine, EngineError> {
-            let pool = if core.is_some() {
-                pinned_pool(tps, mine)
-            } else {
-                kvx_kernels::par::ThreadPool::new(tps).context("starting kernel threads")
-            }
-            .map_err(|e| EngineError::Internal(format!("{e:#}")))?;
-            opts.engine(&loaded2, kernels, pool, n, worker_id(i))
-                .map_err(|e| EngineError::Internal(format!("{e:#}")))
-        };
+        let mut mine: Vec<usize> = cores.iter().skip(i * tps).take(tps).copied().collect();
+        if mine.len() != tps {
+            mine.clear();
+        }
+        let core = mine.first().copied();
+        let make = args.opts.shard_engine(&loaded, kernels, tps, mine, n, worker_id(i));
         handles.push(spawn_shard(i, core, make, events)?);
     }
     Ok(Shards {

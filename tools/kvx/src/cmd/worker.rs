@@ -16,7 +16,7 @@ use kvx_worker::remote::Link;
 use kvx_worker::{Hosted, RemoteConfig, ShardConfig, ShardEvent};
 
 use super::Runtime;
-use super::engine::{EngineOpts, pinned_pool};
+use super::engine::EngineOpts;
 use super::http_opts::{served_name, shutdown_signal};
 
 /// What computes tokens.
@@ -172,23 +172,13 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
             let pin = n * tps <= cores.len();
             for i in 0..n {
                 let worker_id = base + i as u64;
-                let (opts, loaded2) = (args.opts.clone(), loaded.clone());
                 let mine: Vec<usize> = if pin {
                     cores.iter().skip(i * tps).take(tps).copied().collect()
                 } else {
                     Vec::new()
                 };
                 let core = mine.first().copied();
-                let make = move || -> Result<Engine, EngineError> {
-                    let pool = if core.is_some() {
-                        pinned_pool(tps, mine)
-                    } else {
-                        kvx_kernels::par::ThreadPool::new(tps).context("starting kernel threads")
-                    }
-                    .map_err(|e| EngineError::Internal(format!("{e:#}")))?;
-                    opts.engine(&loaded2, kernels, pool, n, worker_id)
-                        .map_err(|e| EngineError::Internal(format!("{e:#}")))
-                };
+                let make = args.opts.shard_engine(&loaded, kernels, tps, mine, n, worker_id);
                 let shard = spawn(i, core, make, &ev_tx)?;
                 hosted.push(Hosted {
                     worker_id,
