@@ -1,0 +1,57 @@
+//! Shared set-up of the engine tests on the real model: the model from `KVX_TEST_MODEL`, an
+//! engine over it, 16 distinct prompts and greedy requests.
+
+use std::sync::Arc;
+
+use kvx_engine::scheduler::SchedulerConfig;
+use kvx_engine::{Engine, EngineConfig, ModelBackend};
+use kvx_kernels::cpu;
+use kvx_kernels::gguf::GgufFile;
+use kvx_kernels::model::LlamaModel;
+use kvx_kernels::par::ThreadPool;
+use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
+
+pub fn model() -> Arc<LlamaModel> {
+    let path = std::env::var_os("KVX_TEST_MODEL").expect(
+        "KVX_TEST_MODEL is not set (path to the default GGUF); run through `cargo xtask test`",
+    );
+    Arc::new(
+        LlamaModel::load(Arc::new(GgufFile::open(path).expect("open model"))).expect("load model"),
+    )
+}
+
+pub fn engine(model: &Arc<LlamaModel>, blocks: usize, sched: SchedulerConfig) -> Engine {
+    let pool = ThreadPool::new(2).expect("pool");
+    let backend = ModelBackend::new(
+        model.clone(),
+        cpu::kernels(),
+        pool,
+        blocks,
+        sched.block_size,
+        sched.max_batched_tokens,
+        1024,
+    )
+    .expect("backend");
+    Engine::new(EngineConfig { sched, worker_id: 1 }, Box::new(backend), None)
+}
+
+/// 16 distinct prompts of different lengths (token ids; no tokenizer needed).
+pub fn prompts() -> Vec<Vec<u32>> {
+    (0..16u32)
+        .map(|i| {
+            let len = 5 + (i as usize * 7) % 40;
+            (0..len as u32).map(|j| 100 + (i * 977 + j * 31) % 20_000).collect()
+        })
+        .collect()
+}
+
+pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        id: RequestId(i as u64 + 1),
+        prompt: prompt.to_vec(),
+        sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
+        stop: StopConditions { max_tokens, ..Default::default() },
+        logprobs: None,
+        salt: None,
+    }
+}
