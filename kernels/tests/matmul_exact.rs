@@ -17,33 +17,6 @@ use kvx_kernels::quant_k::{self, BlockQ4K, BlockQ6K, BlockQ8K};
 use rand::Rng;
 use rand::rngs::StdRng;
 
-/// Bytes in a `u32` buffer, aligned for every block type.
-struct Aligned {
-    words: Vec<u32>,
-    len: usize,
-}
-
-impl Aligned {
-    fn from_pod<T: bytemuck::Pod>(v: &[T]) -> Aligned {
-        let raw: &[u8] = bytemuck::cast_slice(v);
-        let mut words = vec![0u32; raw.len().div_ceil(4)];
-        bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..raw.len()].copy_from_slice(raw);
-        Aligned { words, len: raw.len() }
-    }
-
-    fn zeroed(len: usize) -> Aligned {
-        Aligned { words: vec![0; len.div_ceil(4)], len }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
-    }
-}
-
 /// Random weights of `ty`: every quant pattern (including `-128` in `Q8_0`), negative and
 /// zero scales, all-zero blocks.
 fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Aligned {
@@ -228,7 +201,7 @@ fn zero_scales_and_extreme_activations_stay_exact() {
         let (rows, cols) = (13, 128);
         let mut w = weights(&mut rng, ty, rows, cols);
         // Every third row all zero bytes (zero scales, zero quants).
-        let row_bytes = w.len / rows;
+        let row_bytes = w.bytes().len() / rows;
         for r in (0..rows).step_by(3) {
             w.bytes_mut()[r * row_bytes..(r + 1) * row_bytes].fill(0);
         }

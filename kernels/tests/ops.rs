@@ -25,33 +25,6 @@ use rand::seq::SliceRandom;
 
 const EPS: f64 = f32::EPSILON as f64;
 
-/// Bytes in a `u32` buffer, so they are aligned for every block type.
-struct Aligned {
-    words: Vec<u32>,
-    len: usize,
-}
-
-impl Aligned {
-    fn from_pod<T: bytemuck::Pod>(v: &[T]) -> Aligned {
-        let raw: &[u8] = bytemuck::cast_slice(v);
-        let mut words = vec![0u32; raw.len().div_ceil(4)];
-        bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..raw.len()].copy_from_slice(raw);
-        Aligned { words, len: raw.len() }
-    }
-
-    fn zeroed(len: usize) -> Aligned {
-        Aligned { words: vec![0; len.div_ceil(4)], len }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
-    }
-}
-
 /// A weight matrix in `ty`, with what the error bound needs: per element, the magnitude of
 /// the offset the kernels add and take back out (`|m|` for `Q4_1`, `|dmin · min|` for
 /// `Q4_K`, 64 quant steps for `Q6_K`), and per block the `|m|` that multiplies the

@@ -25,6 +25,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::exact_x86::{load_h16, load16, store16};
 use crate::ops::{AttnHeadJob, AttnMode, AttnScratch, PagedHead};
 
 /// The safe entry installed in the AVX-512 table.
@@ -38,30 +39,6 @@ const MAX_HEAD: usize = 256;
 
 /// Most query heads one call handles (the query heads of one KV head).
 const MAX_GROUP: usize = crate::ops::MAX_ATTN_GROUP;
-
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
-#[inline]
-fn load_h16(x: &[f16]) -> __m512 {
-    assert!(x.len() >= 16);
-    // SAFETY: 16 halves are readable (checked above).
-    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(x.as_ptr().cast()) })
-}
-
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
-#[inline]
-fn load16(x: &[f32]) -> __m512 {
-    assert!(x.len() >= 16);
-    // SAFETY: 16 floats are readable (checked above).
-    unsafe { _mm512_loadu_ps(x.as_ptr()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
-#[inline]
-fn store16(x: &mut [f32], v: __m512) {
-    assert!(x.len() >= 16);
-    // SAFETY: 16 floats are writable (checked above).
-    unsafe { _mm512_storeu_ps(x.as_mut_ptr(), v) }
-}
 
 /// `x` rounded to f16 and back (nearest even), 16 lanes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]

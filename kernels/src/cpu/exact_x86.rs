@@ -260,25 +260,28 @@ fn imp_fma_f16_avx2(a: f32, x: &[f16], y: &mut [f32]) {
 // ---------------------------------------------------------------------------------------
 // AVX-512 (ggml built with -march=native on an AVX-512 CPU)
 
+/// 16 halves of `x` widened to f32 (also used by the attention kernel).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
-fn load_h16(x: &[f16]) -> __m512 {
-    debug_assert!(x.len() >= 16);
-    // SAFETY: at least 16 halves are readable (callers step within bounds).
+pub(super) fn load_h16(x: &[f16]) -> __m512 {
+    assert!(x.len() >= 16);
+    // SAFETY: 16 halves are readable (checked above).
     _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(x.as_ptr().cast()) })
 }
 
+/// The first 16 floats of `x`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
-fn load16(x: &[f32]) -> __m512 {
+pub(super) fn load16(x: &[f32]) -> __m512 {
     assert!(x.len() >= 16);
     // SAFETY: 16 floats are readable (checked above).
     unsafe { _mm512_loadu_ps(x.as_ptr()) }
 }
 
+/// Stores 16 floats at the start of `x`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
-fn store16(x: &mut [f32], v: __m512) {
+pub(super) fn store16(x: &mut [f32], v: __m512) {
     assert!(x.len() >= 16);
     // SAFETY: 16 floats are writable (checked above).
     unsafe { _mm512_storeu_ps(x.as_mut_ptr(), v) }

@@ -155,3 +155,30 @@ pub fn rand_q8k(rng: &mut StdRng, nb: usize, zero_every: usize) -> Vec<BlockQ8K>
         })
         .collect()
 }
+
+/// Bytes in a `u32` buffer, so they are aligned for every block type.
+pub struct Aligned {
+    words: Vec<u32>,
+    len: usize,
+}
+
+impl Aligned {
+    pub fn from_pod<T: bytemuck::Pod>(v: &[T]) -> Aligned {
+        let raw: &[u8] = bytemuck::cast_slice(v);
+        let mut words = vec![0u32; raw.len().div_ceil(4)];
+        bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..raw.len()].copy_from_slice(raw);
+        Aligned { words, len: raw.len() }
+    }
+
+    pub fn zeroed(len: usize) -> Aligned {
+        Aligned { words: vec![0; len.div_ceil(4)], len }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
