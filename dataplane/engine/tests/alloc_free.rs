@@ -7,25 +7,12 @@ mod common;
 
 use std::alloc::System;
 
-use common::{engine, model, prompts, request};
-use kvx_engine::scheduler::SchedulerConfig;
+use common::{engine, model, prompts, request, sched};
 use kvx_proto::{GenerateRequest, SamplingOptions};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
-
-fn sched(budget: usize, chunked: bool) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size: 16,
-        max_num_seqs: 16,
-        max_batched_tokens: budget,
-        max_waiting: 64,
-        chunked_prefill: chunked,
-        max_model_len: 1024,
-        prefix_caching: true,
-    }
-}
 
 #[test]
 fn steady_state_steps_allocate_nothing() {

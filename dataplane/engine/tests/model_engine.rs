@@ -9,9 +9,8 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{engine, model, prompts, request};
+use common::{engine, model, prompts, request, sched};
 use kvx_engine::Engine;
-use kvx_engine::scheduler::SchedulerConfig;
 use kvx_proto::{GenerateRequest, RequestId};
 
 /// Runs `reqs` through `e` (all submitted at once) and returns each request's tokens.
@@ -32,18 +31,6 @@ fn run_all(e: &mut Engine, reqs: &[GenerateRequest]) -> HashMap<RequestId, Vec<u
         e.drain_block_events(|_| {});
     }
     out
-}
-
-fn sched(budget: usize, chunked: bool) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size: 16,
-        max_num_seqs: 16,
-        max_batched_tokens: budget,
-        max_waiting: 64,
-        chunked_prefill: chunked,
-        max_model_len: 1024,
-        prefix_caching: true,
-    }
 }
 
 #[test]

@@ -55,3 +55,16 @@ pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         salt: None,
     }
 }
+
+/// A scheduler of 16-token blocks, 16 sequences and a `budget`-token step.
+pub fn sched(budget: usize, chunked: bool) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 16,
+        max_num_seqs: 16,
+        max_batched_tokens: budget,
+        max_waiting: 64,
+        chunked_prefill: chunked,
+        max_model_len: 1024,
+        prefix_caching: true,
+    }
+}
