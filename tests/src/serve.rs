@@ -64,6 +64,15 @@ impl Served {
         self.child.id()
     }
 
+    /// Sends the server SIGTERM.
+    pub fn terminate(&self) {
+        let term = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(term.success(), "kill -TERM {} failed", self.pid());
+    }
+
     /// Waits for the process to exit, up to `timeout`; its exit status if it did.
     pub fn wait_exit(&mut self, timeout: std::time::Duration) -> Option<std::process::ExitStatus> {
         let end = std::time::Instant::now() + timeout;

@@ -360,11 +360,7 @@ fn sigterm_lets_running_requests_finish_then_exits() {
     // About 100 decode steps of several milliseconds: well inside the grace period.
     let body = json!({"prompt": "x", "max_tokens": 100, "ignore_eos": true, "stream": true});
     let (mut sock, head) = open_stream(&s.addr, &body, 2);
-    let term = std::process::Command::new("kill")
-        .args(["-TERM", &s.pid().to_string()])
-        .status()
-        .expect("kill");
-    assert!(term.success());
+    s.terminate();
     let mut rest = Vec::new();
     let _ = sock.read_to_end(&mut rest);
     let all = head + &String::from_utf8_lossy(&rest);
@@ -389,10 +385,7 @@ fn sigterm_cancels_what_outlives_the_grace_period() {
     let body = json!({"prompt": "x", "max_tokens": 5000, "ignore_eos": true, "stream": true});
     let (mut sock, _) = open_stream(&s.addr, &body, 2);
     let t0 = Instant::now();
-    std::process::Command::new("kill")
-        .args(["-TERM", &s.pid().to_string()])
-        .status()
-        .expect("kill");
+    s.terminate();
     let mut rest = Vec::new();
     let _ = sock.read_to_end(&mut rest);
     let status = s.wait_exit(Duration::from_secs(20)).expect("exited after SIGTERM");
