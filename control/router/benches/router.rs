@@ -9,13 +9,12 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kvx_proto::RequestId;
-use kvx_router::{KvIndex, OverlapScores, Router, RouterConfig};
+use kvx_router::{KvIndex, OverlapScores};
 
 #[path = "support/workload.rs"]
 mod workload;
 
-use workload::{NaiveIndex, Workload};
+use workload::{NaiveIndex, Workload, loaded};
 
 const WORKERS: u64 = 64;
 const BLOCKS_PER_WORKER: u64 = 16_384;
@@ -56,18 +55,7 @@ fn ingest(c: &mut Criterion) {
 
 fn selection(c: &mut Criterion) {
     let mut wl = Workload::build(WORKERS, BLOCKS_PER_WORKER, 16, 0, true, 7);
-    let mut router = Router::new(RouterConfig::default()).expect("default config is valid");
-    let mut naive = NaiveIndex::default();
-    for w in 0..WORKERS {
-        router.add_worker(w);
-    }
-    for ev in &wl.events {
-        router.apply_event(ev);
-        naive.apply(ev);
-    }
-    for (i, r) in wl.requests(2048).iter().enumerate() {
-        let _ = router.route(RequestId(i as u64), r, Duration::ZERO);
-    }
+    let (mut router, naive) = loaded(&mut wl, 2048, false);
     let reqs = wl.requests(4096);
     let mut g = c.benchmark_group("select");
     g.throughput(Throughput::Elements(1));

@@ -8,15 +8,15 @@
 //! `cargo run --release -p kvx-router --example bench`
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvx_proto::{KvEventData, RequestId};
-use kvx_router::{KvIndex, OverlapScores, Router, RouterConfig};
+use kvx_proto::KvEventData;
+use kvx_router::{KvIndex, OverlapScores};
 
 #[path = "../benches/support/workload.rs"]
 mod workload;
 
-use workload::{NaiveIndex, Workload};
+use workload::{NaiveIndex, Workload, loaded};
 
 const WORKERS: u64 = 64;
 const BLOCKS_PER_WORKER: u64 = 16_384;
@@ -166,21 +166,7 @@ fn main() {
     println!();
     println!("== selection (KV mode, 64 workers, 1 M blocks, 2048 requests in flight)");
     let mut wl = Workload::build(WORKERS, BLOCKS_PER_WORKER, 16, 0, true, 7);
-    let mut router = Router::new(RouterConfig::default()).expect("default config is valid");
-    let mut naive = NaiveIndex::default();
-    for w in 0..WORKERS {
-        router.add_worker(w);
-    }
-    for ev in &wl.events {
-        router.apply_event(ev);
-        naive.apply(ev);
-    }
-    for (i, r) in wl.requests(2048).iter().enumerate() {
-        let _ = router.route(RequestId(i as u64), r, Duration::ZERO);
-        if i % 2 == 0 {
-            router.mark_prefill_done(RequestId(i as u64));
-        }
-    }
+    let (mut router, naive) = loaded(&mut wl, 2048, true);
     let reqs = wl.requests(20_000);
     let mean_blocks = reqs.iter().map(|r| r.seqs().len()).sum::<usize>() as f64 / reqs.len() as f64;
     println!("{} requests × {RUNS} runs, {mean_blocks:.1} blocks each on average", reqs.len());

@@ -13,14 +13,15 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use foldhash::{HashMap as FastMap, HashSet as FastSet};
 use kvx_proto::hashing::sequence_hash;
 use kvx_proto::{
-    KvEvent, KvEventData, LocalBlockHash, SequenceHash, StorageTier, StoredBlock, WorkerId,
-    XXH3_SEED,
+    KvEvent, KvEventData, LocalBlockHash, RequestId, SequenceHash, StorageTier, StoredBlock,
+    WorkerId, XXH3_SEED,
 };
-use kvx_router::RequestBlocks;
+use kvx_router::{RequestBlocks, Router, RouterConfig};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -198,6 +199,27 @@ impl Workload {
             })
             .collect()
     }
+}
+
+/// A default router and the naive peer, both fed every event of `wl`, with `in_flight`
+/// requests of `wl` routed (every other one past its prefill when `half_prefilled`).
+pub fn loaded(wl: &mut Workload, in_flight: usize, half_prefilled: bool) -> (Router, NaiveIndex) {
+    let mut router = Router::new(RouterConfig::default()).expect("default config is valid");
+    let mut naive = NaiveIndex::default();
+    for w in 0..wl.workers {
+        router.add_worker(w);
+    }
+    for ev in &wl.events {
+        router.apply_event(ev);
+        naive.apply(ev);
+    }
+    for (i, r) in wl.requests(in_flight).iter().enumerate() {
+        let _ = router.route(RequestId(i as u64), r, Duration::ZERO);
+        if half_prefilled && i % 2 == 0 {
+            router.mark_prefill_done(RequestId(i as u64));
+        }
+    }
+    (router, naive)
 }
 
 /// The peer: per worker a hash set (same fast hasher) of the sequence hashes it holds; a match scans each
