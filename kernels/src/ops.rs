@@ -10,6 +10,7 @@ use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::cpu::exact::SumShape;
 use crate::cpu::gemm::{Acts, GemmJob, Line};
+use crate::cpu::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMatrix};
 use crate::par::{ThreadPool, split_range};
 use crate::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
 use crate::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
@@ -24,6 +25,7 @@ pub struct QMatrix<'a> {
     cols: usize,
     row_bytes: usize,
     data: &'a [u8],
+    lanes: Option<&'a LaneMatrix>,
 }
 
 impl<'a> QMatrix<'a> {
@@ -49,7 +51,22 @@ impl<'a> QMatrix<'a> {
         if data.as_ptr().align_offset(block_align(ty)) != 0 {
             return Err(KernelError::Shape("matrix data is not aligned for its block type"));
         }
-        Ok(QMatrix { ty, act_ty, rows, cols, row_bytes, data })
+        Ok(QMatrix { ty, act_ty, rows, cols, row_bytes, data, lanes: None })
+    }
+
+    /// The same matrix with its row-lane copy (`lanes` must be `data` repacked), which
+    /// [`matmul`] uses wherever the kernel table has a row-lane kernel.
+    pub fn with_lanes(mut self, lanes: &'a LaneMatrix) -> Result<Self, KernelError> {
+        if (lanes.ty(), lanes.rows(), lanes.cols()) != (self.ty, self.rows, self.cols) {
+            return Err(KernelError::Shape("row-lane copy does not match the matrix"));
+        }
+        self.lanes = Some(lanes);
+        Ok(self)
+    }
+
+    /// Whether `k` computes products with this matrix in the row-lane arithmetic.
+    pub fn uses_lanes(&self, k: &Kernels) -> bool {
+        self.lanes.is_some() && k.lanes.is_some()
     }
 
     /// Element type.
@@ -206,6 +223,7 @@ pub fn matmul(
 #[derive(Default)]
 pub struct MatmulScratch {
     lines: Vec<Line>,
+    acts: Vec<LaneAct>,
 }
 
 impl std::fmt::Debug for MatmulScratch {
@@ -217,7 +235,7 @@ impl std::fmt::Debug for MatmulScratch {
 impl MatmulScratch {
     /// An empty scratch; [`matmul_with`] grows it on first use.
     pub const fn new() -> Self {
-        MatmulScratch { lines: Vec::new() }
+        MatmulScratch { lines: Vec::new(), acts: Vec::new() }
     }
 
     /// A scratch big enough for products of `w` with up to `max_tok` tokens at level `k`,
@@ -231,7 +249,12 @@ impl MatmulScratch {
     /// Grows the scratch (if needed) for products of `w` with up to `max_tok` tokens; a
     /// scratch reserved for every matrix of a model and the step size serves them all.
     pub fn reserve(&mut self, k: &Kernels, w: &QMatrix<'_>, max_tok: usize) {
-        if let Some(g) = k.gemm.for_type(w.ty) {
+        if w.uses_lanes(k) {
+            let need = max_tok * (w.cols / w.ty.block_size());
+            if self.acts.len() < need {
+                self.acts.resize(need, LaneAct::default());
+            }
+        } else if let Some(g) = k.gemm.for_type(w.ty) {
             let nb = w.cols / w.ty.block_size();
             let need = (1..=max_tok.min(2)).chain([max_tok]).map(|n| (g.lines)(n, nb)).max();
             self.grow(need.unwrap_or(0));
@@ -264,13 +287,32 @@ pub fn matmul_with(
         return Ok(());
     }
     let out = DisjointOut::new(out);
-    if let Some(g) = k.gemm.for_type(w.ty) {
-        let bad = KernelError::Shape("activation buffer misaligned");
-        let acts = match w.act_ty {
-            GgmlType::Q8_0 => Acts::Q8_0(cast_blocks(xq).ok_or(bad)?),
-            GgmlType::Q8_1 => Acts::Q8_1(cast_blocks(xq).ok_or(bad)?),
-            other => return Err(KernelError::UnsupportedType(other)),
+    let bad = KernelError::Shape("activation buffer misaligned");
+    let typed_acts = || match w.act_ty {
+        GgmlType::Q8_0 => Ok(Acts::Q8_0(cast_blocks(xq).ok_or(bad)?)),
+        GgmlType::Q8_1 => Ok(Acts::Q8_1(cast_blocks(xq).ok_or(bad)?)),
+        other => Err(KernelError::UnsupportedType(other)),
+    };
+    if let (Some(lw), Some(lk)) = (w.lanes, k.lanes) {
+        let nb = lw.nb();
+        let need = n_tok * nb;
+        if scratch.acts.len() < need {
+            scratch.acts.resize(need, LaneAct::default());
+        }
+        let packed = &mut scratch.acts[..need];
+        if !crate::cpu::lanes::pack(w.ty, typed_acts()?, n_tok, nb, packed) {
+            return Err(KernelError::Shape("matmul activations do not fit the kernel"));
+        }
+        let job = LaneJob { w: lw, acts: packed, n_tok, out: &out };
+        let run = |i: usize, n: usize| {
+            // Thread `i` writes only the rows of its own `split_range`.
+            (lk.run)(&job, split_range(w.rows, i, n, LANE_ROWS));
         };
+        pool.run(&run);
+        return Ok(());
+    }
+    if let Some(g) = k.gemm.for_type(w.ty) {
+        let acts = typed_acts()?;
         let nb = w.cols / w.ty.block_size();
         let lines = (g.lines)(n_tok, nb);
         scratch.grow(lines);

@@ -47,6 +47,7 @@ fn every_table_slot_has_a_parity_test() {
             swiglu: _,        // swiglu_*, silu_*
             attn_head: _,     // tests/ops.rs fused_attention_*
             gemm: _,          // tests/matmul_exact.rs
+            lanes: _,         // tests/matmul_lanes.rs
         } = k;
     }
 }

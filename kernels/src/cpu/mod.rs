@@ -14,6 +14,9 @@ mod exact_x86;
 pub mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod gemm_x86;
+pub mod lanes;
+#[cfg(target_arch = "x86_64")]
+mod lanes_x86;
 pub mod reference;
 
 #[cfg(target_arch = "x86_64")]
@@ -147,6 +150,9 @@ pub struct Kernels {
     /// Matrix products over tiles of rows × tokens, bit-identical to the dot products above
     /// (used by [`crate::ops::matmul`]; types without an entry use the dot products).
     pub gemm: gemm::Gemm,
+    /// The matrix product over row-lane weights ([`lanes`]), where this level has one; used
+    /// for every matrix a model repacked (see [`crate::model::LlamaModel::repack`]).
+    pub lanes: Option<lanes::Lanes>,
 }
 
 impl Kernels {
@@ -166,6 +172,7 @@ impl Kernels {
         };
         exact::patch(&mut k);
         k.gemm = gemm::table(level);
+        k.lanes = lanes::table(level);
         Some(k)
     }
 }

@@ -36,6 +36,7 @@ pub const KERNELS: Kernels = Kernels {
     swiglu,
     attn_head: None,
     gemm: super::gemm::Gemm::NONE,
+    lanes: None,
 };
 
 fn isum(a: impl Iterator<Item = i32>) -> i32 {

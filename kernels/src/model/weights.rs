@@ -6,6 +6,8 @@ use std::sync::Arc;
 use kvx_gguf::{GgmlType, GgufFile};
 
 use super::{LlamaConfig, ModelError};
+use crate::cpu::Kernels;
+use crate::cpu::lanes::{LANE_ROWS, LaneMath, LaneMatrix};
 use crate::ops::QMatrix;
 
 /// A weight matrix inside the model file: validated at load, viewed as a [`QMatrix`] at use.
@@ -17,6 +19,8 @@ pub struct MatRef {
     rows: usize,
     cols: usize,
     range: Range<usize>,
+    /// The row-lane copy, once [`LlamaModel::repack`] made one.
+    lanes: Option<LaneMatrix>,
 }
 
 impl MatRef {
@@ -31,6 +35,10 @@ impl MatRef {
     /// Input features.
     pub fn cols(&self) -> usize {
         self.cols
+    }
+    /// Whether [`LlamaModel::repack`] gave this matrix a row-lane copy.
+    pub fn is_repacked(&self) -> bool {
+        self.lanes.is_some()
     }
 }
 
@@ -145,6 +153,47 @@ impl LlamaModel {
         Ok(model)
     }
 
+    /// Copies every matrix the row-lane kernel of `k` handles into its layout
+    /// ([`crate::cpu::lanes`]), so that products with it use that kernel in `math`; returns
+    /// the bytes copied (0 where `k` has no such kernel). The token embedding itself stays
+    /// in the file (only its rows are read); a tied output head gets its own copy.
+    pub fn repack(&mut self, k: &Kernels, math: LaneMath) -> Result<usize, ModelError> {
+        if k.lanes.is_none() {
+            return Ok(0);
+        }
+        let file = self.file.clone();
+        let mut bytes = 0;
+        let mut one = |m: &mut MatRef| -> Result<(), ModelError> {
+            if m.lanes.is_some() || !LaneMatrix::supports(m.ty) || !m.rows.is_multiple_of(LANE_ROWS)
+            {
+                return Ok(());
+            }
+            let data = file.bytes().get(m.range.clone()).ok_or_else(|| {
+                ModelError::Config(format!("tensor {} lies outside the file", m.name))
+            })?;
+            let l = LaneMatrix::repack(math, m.ty, m.rows, m.cols, data)
+                .map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))?;
+            bytes += l.bytes();
+            m.lanes = Some(l);
+            Ok(())
+        };
+        one(&mut self.output)?;
+        for l in &mut self.layers {
+            for m in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ] {
+                one(m)?;
+            }
+        }
+        Ok(bytes)
+    }
+
     /// The model file.
     pub fn file(&self) -> &Arc<GgufFile> {
         &self.file
@@ -156,12 +205,16 @@ impl LlamaModel {
     }
 
     /// A kernel view of `m`.
-    pub fn view(&self, m: &MatRef) -> Result<QMatrix<'_>, ModelError> {
+    pub fn view<'a>(&'a self, m: &'a MatRef) -> Result<QMatrix<'a>, ModelError> {
         let data = self.file.bytes().get(m.range.clone()).ok_or_else(|| {
             ModelError::Config(format!("tensor {} lies outside the file", m.name))
         })?;
-        QMatrix::new(m.ty, m.rows, m.cols, data)
-            .map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))
+        let q = QMatrix::new(m.ty, m.rows, m.cols, data);
+        let q = match (q, &m.lanes) {
+            (Ok(q), Some(l)) => q.with_lanes(l),
+            (q, _) => q,
+        };
+        q.map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))
     }
 }
 
@@ -195,6 +248,7 @@ fn mat(
         rows: r,
         cols: c,
         range: start..start + data.len(),
+        lanes: None,
     })
 }
 

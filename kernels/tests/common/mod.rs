@@ -6,7 +6,10 @@
 use bytemuck::Zeroable;
 use half::f16;
 use kvx_kernels::cpu::{Kernels, SimdLevel};
-use kvx_kernels::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK_K};
+use kvx_kernels::gguf::GgmlType;
+use kvx_kernels::ops::{self, QMatrix};
+use kvx_kernels::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK_K, cast_blocks};
+use kvx_kernels::quant_k;
 use kvx_kernels::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -180,5 +183,77 @@ impl Aligned {
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+/// Random weights of `ty`: every quant pattern (including `-128` in `Q8_0`), negative and
+/// zero scales, all-zero blocks.
+pub fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Aligned {
+    let n = rows * cols;
+    match ty {
+        GgmlType::Q4_0 => {
+            let mut b = rand_q4_0(rng, n / 32, 7);
+            for (i, b) in b.iter_mut().enumerate().filter(|(i, _)| i % 5 == 1) {
+                b.d = -b.d * f16::from_f32(i as f32 % 3.0);
+            }
+            Aligned::from_pod(&b)
+        }
+        GgmlType::Q4_1 => Aligned::from_pod(&rand_q4_1(rng, n / 32, 7)),
+        GgmlType::Q8_0 => {
+            let mut b = rand_q8_0(rng, n / 32, 7);
+            for (i, b) in b.iter_mut().enumerate() {
+                if i % 3 == 0 {
+                    b.qs[i % 32] = -128;
+                    b.qs[(i + 5) % 32] = -128;
+                }
+                if i % 4 == 1 {
+                    b.d = -b.d;
+                }
+            }
+            Aligned::from_pod(&b)
+        }
+        GgmlType::Q4_K => Aligned::from_pod(&rand_q4k(rng, n / QK_K, 5)),
+        GgmlType::Q6_K => Aligned::from_pod(&rand_q6k(rng, n / QK_K, 5)),
+        GgmlType::F16 => {
+            Aligned::from_pod(&randv(rng, n).into_iter().map(f16::from_f32).collect::<Vec<_>>())
+        }
+        GgmlType::BF16 => Aligned::from_pod(
+            &randv(rng, n).into_iter().map(quant_k::f32_to_bf16).collect::<Vec<_>>(),
+        ),
+        _ => Aligned::from_pod(&randv(rng, n)),
+    }
+}
+
+/// `n_tok` activation rows quantized for `m`, some of them all zero, some with outliers.
+pub fn activations(rng: &mut StdRng, k: &Kernels, m: &QMatrix<'_>, n_tok: usize) -> Aligned {
+    let cols = m.cols();
+    let mut x = randv(rng, n_tok * cols);
+    for (t, row) in x.chunks_exact_mut(cols).enumerate() {
+        match t % 11 {
+            3 => row.fill(0.0),
+            7 => row.iter_mut().for_each(|v| *v *= 1e3),
+            _ => {}
+        }
+    }
+    let mut act = Aligned::zeroed(ops::activation_bytes(m.act_ty(), cols, n_tok).unwrap());
+    ops::quantize_activations(k, m.act_ty(), &x, cols, act.bytes_mut()).unwrap();
+    act
+}
+
+/// The level's dot product of weight row `w` and activation row `a` (raw bytes of `ty` and
+/// its activation type).
+pub fn dot(k: &Kernels, ty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+    fn c<B: bytemuck::Pod>(b: &[u8]) -> &[B] {
+        cast_blocks(b).unwrap()
+    }
+    match ty {
+        GgmlType::Q4_0 => (k.dot_q4_0_q8_0)(c::<BlockQ4_0>(w), c::<BlockQ8_0>(a)),
+        GgmlType::Q4_1 => (k.dot_q4_1_q8_1)(c::<BlockQ4_1>(w), c::<BlockQ8_1>(a)),
+        GgmlType::Q8_0 => (k.dot_q8_0_q8_0)(c::<BlockQ8_0>(w), c::<BlockQ8_0>(a)),
+        GgmlType::Q4_K => (k.dot_q4_k_q8_k)(c::<BlockQ4K>(w), c::<BlockQ8K>(a)),
+        GgmlType::Q6_K => (k.dot_q6_k_q8_k)(c::<BlockQ6K>(w), c::<BlockQ8K>(a)),
+        GgmlType::F16 => (k.dot_f16)(c::<f16>(w), c::<f16>(a)),
+        GgmlType::BF16 => (k.dot_bf16)(c::<u16>(w), c::<u16>(a)),
+        _ => (k.dot_f32)(c::<f32>(w), c::<f32>(a)),
     }
 }

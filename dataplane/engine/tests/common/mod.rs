@@ -6,18 +6,21 @@ use std::sync::Arc;
 use kvx_engine::scheduler::SchedulerConfig;
 use kvx_engine::{Engine, EngineConfig, ModelBackend};
 use kvx_kernels::cpu;
+use kvx_kernels::cpu::lanes::LaneMath;
 use kvx_kernels::gguf::GgufFile;
 use kvx_kernels::model::LlamaModel;
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 
+/// The model, repacked for the row-lane kernels as `kvx` loads it by default.
 pub fn model() -> Arc<LlamaModel> {
     let path = std::env::var_os("KVX_TEST_MODEL").expect(
         "KVX_TEST_MODEL is not set (path to the default GGUF); run through `cargo xtask test`",
     );
-    Arc::new(
-        LlamaModel::load(Arc::new(GgufFile::open(path).expect("open model"))).expect("load model"),
-    )
+    let mut model =
+        LlamaModel::load(Arc::new(GgufFile::open(path).expect("open model"))).expect("load model");
+    model.repack(cpu::kernels(), LaneMath::Exact).expect("repack");
+    Arc::new(model)
 }
 
 pub fn engine(model: &Arc<LlamaModel>, blocks: usize, sched: SchedulerConfig) -> Engine {

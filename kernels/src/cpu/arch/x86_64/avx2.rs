@@ -78,6 +78,7 @@ pub(crate) fn kernels() -> Kernels {
         swiglu,
         attn_head: None,
         gemm: crate::cpu::gemm::Gemm::NONE,
+        lanes: None,
     }
 }
 

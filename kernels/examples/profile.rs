@@ -1,0 +1,86 @@
+//! Times the stages of one prompt step (the spans between the forward pass's trace points:
+//! `Qcur` = norm + Q/K/V products + rope, `kqv_out` = attention, `ffn_inp` = output
+//! projection + residual, `ffn_swiglu` = norm + gate/up products + SwiGLU, `ffn_out` = down
+//! product) for each matrix arithmetic. Usage: `profile MODEL.gguf THREADS TOKENS`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvx_kernels::cpu;
+use kvx_kernels::cpu::lanes::LaneMath;
+use kvx_kernels::gguf::GgufFile;
+use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::par::ThreadPool;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let usage = "usage: profile MODEL.gguf THREADS TOKENS";
+    let path = args.next().ok_or(usage)?;
+    let threads: usize = args.next().ok_or(usage)?.parse()?;
+    let n_tok: usize = args.next().ok_or(usage)?.parse()?;
+    let file = Arc::new(GgufFile::open(&path)?);
+    let k = cpu::kernels();
+    let pool = ThreadPool::new(threads)?;
+    for math in [None, Some(LaneMath::Exact), Some(LaneMath::Fast)] {
+        let mut model = LlamaModel::load(file.clone())?;
+        if let Some(math) = math {
+            model.repack(k, math)?;
+        }
+        let name = math.map_or("ggml tiles".to_string(), |m| format!("row-lane {m:?}"));
+        profile(&model, k, &pool, n_tok, &name)?;
+    }
+    Ok(())
+}
+
+fn profile(
+    model: &LlamaModel,
+    k: &cpu::Kernels,
+    pool: &ThreadPool,
+    n_tok: usize,
+    name: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let ids: Vec<u32> = (0..n_tok as u32).map(|i| 100 + i * 7 % 5000).collect();
+    let bs = 16;
+    let nb = n_tok.div_ceil(bs);
+    let mut kv = KvCache::new(&model.cfg, nb, bs)?;
+    let table: Vec<u32> = (0..nb as u32).collect();
+    let mut s = Scratch::new(model, n_tok, nb * bs, pool.n_threads());
+    let mut logits = vec![0.0; model.cfg.n_vocab];
+    let mut spans: BTreeMap<String, f64> = BTreeMap::new();
+    let reps = 4;
+    let mut total = 0.0;
+    // One untimed step first (page faults, caches).
+    for rep in 0..=reps {
+        let mode = AttnMode::Prefill;
+        let chunk =
+            SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: true, mode };
+        let start = Instant::now();
+        let mut last = start;
+        model.forward_traced(
+            k,
+            pool,
+            &[chunk],
+            &mut kv,
+            &mut s,
+            &mut logits,
+            &mut |op, _, _| {
+                let now = Instant::now();
+                if rep > 0 {
+                    *spans.entry(op.to_string()).or_default() += (now - last).as_secs_f64();
+                }
+                last = Instant::now();
+            },
+        )?;
+        if rep > 0 {
+            total += start.elapsed().as_secs_f64();
+            *spans.entry("(tail)".into()).or_default() += last.elapsed().as_secs_f64();
+        }
+    }
+    let per = |v: f64| v * 1e3 / reps as f64;
+    println!("{name}: {:.1} ms per step, {:.0} tok/s", per(total), (n_tok * reps) as f64 / total);
+    for (op, v) in spans.iter().filter(|(_, v)| **v > 0.0) {
+        println!("  {op:>12} {:7.1} ms {:5.1} %", per(*v), 100.0 * v / total);
+    }
+    Ok(())
+}

@@ -1,0 +1,340 @@
+//! Weights repacked at load into row-lane tiles, and the matrix products over them, for
+//! `Q4_0`, `Q4_1` and `Q8_0` weights where the CPU has a kernel for it.
+//!
+//! **Why.** The tiled kernels of [`super::gemm`] hold one ggml-shaped 8-lane accumulator per
+//! (row, token) in half a register and multiply the scales `d_w · d_a` once per block, row
+//! *and token pair*. Here one 512-bit register holds the same quantity for 16 weight rows
+//! (lane `i` is row `i`), so the scale product is one multiply per block for 16 rows, and
+//! the integer parts of 16 rows come from one `vpdpbusd` with the activation's 4 bytes
+//! broadcast.
+//!
+//! **Arithmetic**, two kinds ([`LaneMath`]):
+//! * `Exact`: ggml's association, bit for bit the level's dot products (and therefore
+//!   llama.cpp's tokens): per row, 8 accumulators, accumulator `l` fed block after block by
+//!   `fma(d_w · d_a, f32(i_l), acc_l)` with `i_l` the exact integer sum of the 4 products of
+//!   quants `4l..4l + 4`; then ggml's horizontal sum `((a0+a4) + (a2+a6)) + ((a1+a5) +
+//!   (a3+a7))`, then `+ summs` for `Q4_1` (`summs` adds the exact products `m_w · s_a` block
+//!   after block). Per 512 multiply-accumulates: 8 `vpdpbusd`, 8 FMAs, 1 multiply (the
+//!   tiled kernels: 8, 8 and 8).
+//! * `Fast`: one exact integer per block and row and one FMA per block and row:
+//!   `acc = fma(f32(i), d_w · d_a, acc)`, then `acc = fma(m_w, s_a, acc)` for `Q4_1`
+//!   (written out in [`dot_reference`]); 8 `vpdpbusd`, 2–3 FMAs and 1 multiply per 512.
+//!   Differences from `Exact` are rounding-level per product, but a quantized model
+//!   amplifies them (activation quants flip), so its greedy tokens drift from llama.cpp's
+//!   at points that are not near-ties; it is an explicit choice.
+//!
+//! In both, no sum crosses rows or tokens, so every output has the same bits whatever the
+//! batch, the tile or the thread split: batch invariance holds by construction.
+//!
+//! **Layout.** Rows in tiles of [`LANE_ROWS`]; per tile, block after block, one record:
+//! `Q4_x`: four 64-byte vectors whose lane `i` holds row `i`'s nibble bytes `4j..4j + 4`
+//! (low nibbles: elements `4j..4j + 4`; high: `16 + 4j..`), then the 16 rows' `d` (f16), then
+//! (`Q4_1`) their `m`: 320 bytes, the same size as the 16 blocks it came from. `Q8_0`: eight
+//! vectors of the bytes `4j..4j + 4` offset by 128 (unsigned, for `vpdpbusd`), then `d`,
+//! padded to 576 bytes. A tile's records are one sequential stream.
+
+use std::ops::Range;
+
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+use super::gemm::{Acts, Line};
+use crate::KernelError;
+use crate::ops::DisjointOut;
+use crate::quant::{BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
+
+/// Rows per tile: the lanes of one 512-bit register of f32.
+pub const LANE_ROWS: usize = 16;
+
+/// Which arithmetic a [`LaneMatrix`]'s products use (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneMath {
+    /// ggml's association at the level (bit-identical to the level's dot products, and so
+    /// to llama.cpp built for it): per row, 8 f32 lanes each fed by 4-product integer sums,
+    /// one fused multiply-add per lane and block, ggml's horizontal sum.
+    Exact,
+    /// One exact integer per block and row, one fused multiply-add per block and row: more
+    /// than twice the throughput, results within rounding of `Exact`'s.
+    Fast,
+}
+
+/// A weight matrix repacked into row-lane tiles (module docs), owned and 64-byte aligned.
+#[derive(Clone)]
+pub struct LaneMatrix {
+    math: LaneMath,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    nb: usize,
+    data: Vec<Line>,
+}
+
+impl std::fmt::Debug for LaneMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneMatrix")
+            .field("ty", &self.ty)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish()
+    }
+}
+
+/// 64-byte lines per (tile, block) record of weights of type `ty`.
+pub(crate) const fn rec_lines(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 9,
+        _ => 5,
+    }
+}
+
+/// Offset of the 16 `d` values inside a record (the `m` values follow them).
+pub(crate) const fn d_offset(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 512,
+        _ => 256,
+    }
+}
+
+impl LaneMatrix {
+    /// Whether `ty` has a row-lane layout.
+    pub fn supports(ty: GgmlType) -> bool {
+        matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    }
+
+    /// Repacks `rows` × `cols` weights of `ty` in ggml's layout (`src`, rows contiguous),
+    /// for products in `math`. `rows` must be a multiple of [`LANE_ROWS`].
+    pub fn repack(
+        math: LaneMath,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        src: &[u8],
+    ) -> Result<LaneMatrix, KernelError> {
+        if !Self::supports(ty) {
+            return Err(KernelError::UnsupportedType(ty));
+        }
+        if rows == 0 || !rows.is_multiple_of(LANE_ROWS) {
+            return Err(KernelError::Shape("row-lane tiles need a multiple of 16 rows"));
+        }
+        let bs = ty.block_size();
+        if cols == 0 || !cols.is_multiple_of(bs) {
+            return Err(KernelError::Shape("row length is not a whole number of blocks"));
+        }
+        let nb = cols / bs;
+        let bb = ty.type_size();
+        if rows.checked_mul(nb * bb) != Some(src.len()) {
+            return Err(KernelError::Shape("matrix data size does not match its shape"));
+        }
+        let lpr = rec_lines(ty);
+        let mut data = vec![Line([0; 64]); rows / LANE_ROWS * nb * lpr];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
+        let (qs_at, nq) = match ty {
+            GgmlType::Q4_1 => (4, 4),
+            GgmlType::Q4_0 => (2, 4),
+            _ => (2, 8),
+        };
+        let d_at = d_offset(ty);
+        for (ri, row) in src.chunks_exact(nb * bb).enumerate() {
+            let (tile, i) = (ri / LANE_ROWS, ri % LANE_ROWS);
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let rec = &mut bytes[(tile * nb + b) * lpr * 64..][..lpr * 64];
+                for j in 0..nq {
+                    let dst = &mut rec[64 * j + 4 * i..64 * j + 4 * i + 4];
+                    dst.copy_from_slice(&blk[qs_at + 4 * j..qs_at + 4 * j + 4]);
+                    if ty == GgmlType::Q8_0 {
+                        dst.iter_mut().for_each(|q| *q ^= 0x80);
+                    }
+                }
+                rec[d_at + 2 * i..d_at + 2 * i + 2].copy_from_slice(&blk[0..2]);
+                if ty == GgmlType::Q4_1 {
+                    rec[d_at + 32 + 2 * i..d_at + 32 + 2 * i + 2].copy_from_slice(&blk[2..4]);
+                }
+            }
+        }
+        Ok(LaneMatrix { math, ty, rows, cols, nb, data })
+    }
+
+    /// The arithmetic of products with this matrix.
+    pub fn math(&self) -> LaneMath {
+        self.math
+    }
+
+    /// Element type of the original weights.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Blocks per row.
+    pub(crate) fn nb(&self) -> usize {
+        self.nb
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * size_of::<Line>()
+    }
+    /// The records of row tile `tile` (`nb` records of [`rec_lines`] lines).
+    pub(crate) fn tile(&self, tile: usize) -> &[Line] {
+        let n = self.nb * rec_lines(self.ty);
+        &self.data[tile * n..(tile + 1) * n]
+    }
+}
+
+/// One token's activation block as the row-lane kernels read it.
+#[derive(Clone, Copy, Pod, Zeroable, Default)]
+#[repr(C)]
+pub(crate) struct LaneAct {
+    /// The 32 quants.
+    pub(crate) qs: [i8; 32],
+    /// The scale.
+    pub(crate) d: f32,
+    /// `Q8_1`: `s` (for `Q4_1` weights); otherwise 0.
+    pub(crate) s: f32,
+    /// The integer the unsigned weight bytes' dot product of quants `4l..4l + 4` starts
+    /// from: `-c · Σ qs[4l..4l + 4]` with `c = 8` (`Q4_0`), `128` (`Q8_0`, bytes offset by
+    /// 128), `0` (`Q4_1`).
+    pub(crate) corr: [i32; 8],
+    /// The sum of `corr` (the whole block's start).
+    pub(crate) corr_sum: i32,
+}
+
+/// The row-lane matrix kernel of one level.
+#[derive(Clone, Copy, Debug)]
+pub struct Lanes {
+    /// Computes the outputs of `rows` (whole tiles) for every token.
+    pub(crate) run: fn(&LaneJob<'_>, Range<usize>),
+}
+
+/// One call's operands, shared by the threads of the pool.
+pub(crate) struct LaneJob<'a> {
+    pub(crate) w: &'a LaneMatrix,
+    /// `n_tok × nb` records, token-major.
+    pub(crate) acts: &'a [LaneAct],
+    pub(crate) n_tok: usize,
+    /// `n_tok × rows` outputs, token-major.
+    pub(crate) out: &'a DisjointOut,
+}
+
+impl LaneJob<'_> {
+    /// Asserts what every kernel's raw reads rely on.
+    pub(crate) fn check(&self, rows: &Range<usize>) {
+        let w = self.w;
+        assert!(rows.start <= rows.end && rows.end <= w.rows, "rows out of range");
+        assert!(
+            rows.start.is_multiple_of(LANE_ROWS) && rows.end.is_multiple_of(LANE_ROWS),
+            "rows not in tiles"
+        );
+        assert_eq!(self.acts.len(), self.n_tok * w.nb, "activation records");
+        assert_eq!(w.data.len(), w.rows / LANE_ROWS * w.nb * rec_lines(w.ty), "weight records");
+    }
+}
+
+/// The kernel of `level`, if it has one.
+pub(crate) fn table(level: super::SimdLevel) -> Option<Lanes> {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        super::SimdLevel::Avx512 => Some(super::lanes_x86::avx512()),
+        _ => None,
+    }
+}
+
+/// Repacks `n_tok` tokens of quantized activations (`Q8_0` blocks for `Q4_0`/`Q8_0` weights,
+/// `Q8_1` for `Q4_1`) into `dst` (`n_tok × nb` long). Returns `false` on a type or size
+/// mismatch.
+pub(crate) fn pack(
+    ty: GgmlType,
+    acts: Acts<'_>,
+    n_tok: usize,
+    nb: usize,
+    dst: &mut [LaneAct],
+) -> bool {
+    let n = n_tok * nb;
+    if dst.len() != n {
+        return false;
+    }
+    let rec = |qs: [i8; 32], d: f16, s: f32, c: i32| {
+        let corr: [i32; 8] = std::array::from_fn(|l| {
+            -c * qs[4 * l..4 * l + 4].iter().map(|&q| i32::from(q)).sum::<i32>()
+        });
+        LaneAct { qs, d: d.to_f32(), s, corr, corr_sum: corr.iter().sum() }
+    };
+    match (ty, acts) {
+        (GgmlType::Q4_1, Acts::Q8_1(a)) if a.len() >= n => {
+            for (r, a) in dst.iter_mut().zip(a) {
+                *r = rec(a.qs, a.d, a.s.to_f32(), 0);
+            }
+        }
+        (GgmlType::Q4_0 | GgmlType::Q8_0, Acts::Q8_0(a)) if a.len() >= n => {
+            let c = if ty == GgmlType::Q4_0 { 8 } else { 128 };
+            for (r, a) in dst.iter_mut().zip(a) {
+                *r = rec(a.qs, a.d, 0.0, c);
+            }
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// The [`LaneMath::Fast`] arithmetic (module docs) for one row of `ty` in ggml's layout (`row`) and one
+/// token's activations in its vec-dot type (`acts`): the scalar twin every kernel is tested
+/// against. `None` if the types or lengths do not fit.
+pub fn dot_reference(ty: GgmlType, row: &[u8], acts: &[u8]) -> Option<f32> {
+    let bb = ty.type_size();
+    if !LaneMatrix::supports(ty) || !row.len().is_multiple_of(bb) {
+        return None;
+    }
+    let nb = row.len() / bb;
+    let f = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    let mut acc = 0.0f32;
+    match ty {
+        GgmlType::Q4_1 => {
+            let a: &[BlockQ8_1] = cast_blocks(acts)?;
+            if a.len() != nb {
+                return None;
+            }
+            for (w, a) in row.chunks_exact(bb).zip(a) {
+                let i = nibble_dot(&w[4..20], &a.qs, 0);
+                acc = (i as f32).mul_add(f(w, 0) * a.d.to_f32(), acc);
+                acc = f(w, 2).mul_add(a.s.to_f32(), acc);
+            }
+        }
+        GgmlType::Q4_0 | GgmlType::Q8_0 => {
+            let a: &[BlockQ8_0] = cast_blocks(acts)?;
+            if a.len() != nb {
+                return None;
+            }
+            for (w, a) in row.chunks_exact(bb).zip(a) {
+                let i = if ty == GgmlType::Q4_0 {
+                    nibble_dot(&w[2..18], &a.qs, 8)
+                } else {
+                    w[2..34]
+                        .iter()
+                        .zip(&a.qs)
+                        .map(|(&q, &y)| i32::from(q as i8) * i32::from(y))
+                        .sum()
+                };
+                acc = (i as f32).mul_add(f(w, 0) * a.d.to_f32(), acc);
+            }
+        }
+        _ => return None,
+    }
+    Some(acc)
+}
+
+/// `Σ (nibble − off) · y` over a block's 32 elements (element `j` in the low nibble of byte
+/// `j`, element `j + 16` in the high one).
+fn nibble_dot(qs: &[u8], y: &[i8; 32], off: i32) -> i32 {
+    qs.iter()
+        .enumerate()
+        .map(|(j, &q)| {
+            (i32::from(q & 15) - off) * i32::from(y[j])
+                + (i32::from(q >> 4) - off) * i32::from(y[j + 16])
+        })
+        .sum()
+}

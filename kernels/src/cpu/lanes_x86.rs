@@ -1,0 +1,234 @@
+//! The AVX-512 VNNI kernels of [`super::lanes`]: 16 rows per register, lane `i` row `i`.
+//!
+//! Per (tile, block) the record's weight vectors are loaded and (nibbles) unpacked once for a
+//! group of tokens; per token the block's integer parts of all 16 rows come from 8
+//! `vpdpbusd` with the activation's 4-byte groups broadcast, and the scale products from one
+//! multiply with a broadcast. `Exact` keeps ggml's 8 accumulators per (tile, token) (groups of
+//! [`EXACT_GROUP`] tokens: 9 registers each); `Fast` one (groups of [`FAST_GROUP`]). Token
+//! groups are the outer loop, so a group's activations stay in L1 while the thread's share
+//! of the weights streams from L2 (or memory, for decode).
+//!
+//! # Safety
+//! `imp_run` requires the CPU features of its `target_feature` attribute; it is reachable
+//! only through [`avx512`]'s safe wrapper, which [`super::lanes::table`] installs only into
+//! the table of a level [`super::Kernels::for_level`] found this CPU to support. Record reads
+//! go through raw pointers into a tile's records (`LaneMatrix::tile`), whose length
+//! [`LaneJob::check`] asserted.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMath, Lanes, d_offset, rec_lines};
+use crate::quant::GgmlType;
+
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 2;
+
+/// Tokens per group of the `Fast` kernel: 8 accumulators, 8 unpacked weight vectors and the
+/// scales fit the 32 registers.
+const FAST_GROUP: usize = 8;
+/// Tokens per group of the `Exact` kernel: 2 × 9 accumulators and the 8 weight vectors.
+const EXACT_GROUP: usize = 2;
+
+const fn kind_ty(kind: u8) -> GgmlType {
+    match kind {
+        Q4_0 => GgmlType::Q4_0,
+        Q4_1 => GgmlType::Q4_1,
+        _ => GgmlType::Q8_0,
+    }
+}
+
+macro_rules! wrapper {
+    ($name:ident => $kind:ident, $exact:literal) => {
+        fn $name(job: &LaneJob<'_>, rows: Range<usize>) {
+            // SAFETY: installed only into the table of a level this CPU supports, which has
+            // the features of `imp_run` (module docs).
+            unsafe { imp_run::<$kind, $exact>(job, rows) }
+        }
+    };
+}
+
+wrapper!(exact_q4_0 => Q4_0, true);
+wrapper!(exact_q4_1 => Q4_1, true);
+wrapper!(exact_q8_0 => Q8_0, true);
+wrapper!(fast_q4_0 => Q4_0, false);
+wrapper!(fast_q4_1 => Q4_1, false);
+wrapper!(fast_q8_0 => Q8_0, false);
+
+fn run(job: &LaneJob<'_>, rows: Range<usize>) {
+    match (job.w.ty(), job.w.math()) {
+        (GgmlType::Q4_0, LaneMath::Exact) => exact_q4_0(job, rows),
+        (GgmlType::Q4_1, LaneMath::Exact) => exact_q4_1(job, rows),
+        (GgmlType::Q8_0, LaneMath::Exact) => exact_q8_0(job, rows),
+        (GgmlType::Q4_0, LaneMath::Fast) => fast_q4_0(job, rows),
+        (GgmlType::Q4_1, LaneMath::Fast) => fast_q4_1(job, rows),
+        (GgmlType::Q8_0, LaneMath::Fast) => fast_q8_0(job, rows),
+        // `LaneMatrix::repack` admits only the types above.
+        _ => {}
+    }
+}
+
+/// The AVX-512 entry (the level's features were detected by the caller).
+pub(crate) fn avx512() -> Lanes {
+    Lanes { run }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+fn imp_run<const KIND: u8, const EXACT: bool>(job: &LaneJob<'_>, rows: Range<usize>) {
+    job.check(&rows);
+    let mut t0 = 0;
+    while t0 < job.n_tok {
+        let left = job.n_tok - t0;
+        let g = if EXACT { left.min(EXACT_GROUP) } else { left.min(FAST_GROUP) };
+        match (EXACT, g) {
+            (true, 1) => exact::<KIND, 1>(job, &rows, t0),
+            (true, _) => exact::<KIND, 2>(job, &rows, t0),
+            (false, 1) => fast::<KIND, 1>(job, &rows, t0),
+            (false, 2) => fast::<KIND, 2>(job, &rows, t0),
+            (false, 3) => fast::<KIND, 3>(job, &rows, t0),
+            (false, 4) => fast::<KIND, 4>(job, &rows, t0),
+            (false, 5) => fast::<KIND, 5>(job, &rows, t0),
+            (false, 6) => fast::<KIND, 6>(job, &rows, t0),
+            (false, 7) => fast::<KIND, 7>(job, &rows, t0),
+            (false, _) => fast::<KIND, 8>(job, &rows, t0),
+        }
+        t0 += g;
+    }
+}
+
+/// One record's weights: the 8 vectors of unsigned quants (vector `l` pairs with the
+/// activation quants `4l..4l + 4` for every type: `Q8_0` bytes `4l..`; nibbles: the low
+/// halves of vectors 0..4, the high halves of the same bytes as vectors 4..8), the 16 rows'
+/// `d` and (`Q4_1`) `m`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn record<const KIND: u8>(rec: *const u8) -> ([__m512i; 8], __m512, __m512) {
+    let ty = kind_ty(KIND);
+    // SAFETY: (callers) `rec` is a whole record inside a tile: `rec_lines(ty)` lines; the
+    // scales are 32 bytes at `d_offset`, the minimums 32 more (`Q4_1`, inside the record).
+    let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(rec.wrapping_add(d_offset(ty)).cast()) });
+    let mw = if KIND == Q4_1 {
+        // SAFETY: as above.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(rec.wrapping_add(d_offset(ty) + 32).cast()) })
+    } else {
+        _mm512_setzero_ps()
+    };
+    let mut wv = [_mm512_setzero_si512(); 8];
+    if KIND == Q8_0 {
+        for (j, w) in wv.iter_mut().enumerate() {
+            // SAFETY: vector `j < 8` of the record's quants.
+            *w = unsafe { _mm512_loadu_si512(rec.wrapping_add(64 * j).cast()) };
+        }
+    } else {
+        let low = _mm512_set1_epi8(0x0f);
+        for j in 0..4 {
+            // SAFETY: vector `j < 4` of the record's nibbles.
+            let v = unsafe { _mm512_loadu_si512(rec.wrapping_add(64 * j).cast()) };
+            wv[j] = _mm512_and_si512(v, low);
+            wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+        }
+    }
+    (wv, dw, mw)
+}
+
+/// The 4-byte group `j` of a token's quants, as the broadcast operand of `vpdpbusd`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn act4(a: &LaneAct, j: usize) -> __m512i {
+    let q = &a.qs[4 * j..4 * j + 4];
+    _mm512_set1_epi32(i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]))
+}
+
+/// Stores token `t`'s 16 outputs of row tile `tile`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn store(job: &LaneJob<'_>, t: usize, tile: usize, v: __m512) {
+    let dst = job.out.range(t * job.w.rows() + tile * LANE_ROWS, LANE_ROWS);
+    // SAFETY: `dst` is 16 writable floats.
+    unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) };
+}
+
+/// `Fast`: tokens `t0..t0 + T` over the row tiles of `rows`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn fast<const KIND: u8, const T: usize>(job: &LaneJob<'_>, rows: &Range<usize>, t0: usize) {
+    let nb = job.w.nb();
+    let lpr = rec_lines(kind_ty(KIND));
+    let acts: [&[LaneAct]; T] = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
+    for tile in rows.start / LANE_ROWS..rows.end / LANE_ROWS {
+        let recs = job.w.tile(tile);
+        debug_assert_eq!(recs.len(), nb * lpr);
+        let base: *const u8 = recs.as_ptr().cast();
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..nb {
+            let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
+            for (acc, a) in acc.iter_mut().zip(&acts) {
+                let a = &a[b];
+                // Exact integers: any order of these additions gives the same sum, so the
+                // chain is split in two for latency.
+                let mut i0 = _mm512_set1_epi32(a.corr_sum);
+                let mut i1 = _mm512_setzero_si512();
+                for j in 0..4 {
+                    i0 = _mm512_dpbusd_epi32(i0, wv[j], act4(a, j));
+                    i1 = _mm512_dpbusd_epi32(i1, wv[4 + j], act4(a, 4 + j));
+                }
+                let i = _mm512_add_epi32(i0, i1);
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, *acc);
+                if KIND == Q4_1 {
+                    *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *acc);
+                }
+            }
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            store(job, t0 + t, tile, *acc);
+        }
+    }
+}
+
+/// `Exact`: tokens `t0..t0 + T` over the row tiles of `rows`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn exact<const KIND: u8, const T: usize>(job: &LaneJob<'_>, rows: &Range<usize>, t0: usize) {
+    let nb = job.w.nb();
+    let lpr = rec_lines(kind_ty(KIND));
+    let acts: [&[LaneAct]; T] = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
+    for tile in rows.start / LANE_ROWS..rows.end / LANE_ROWS {
+        let recs = job.w.tile(tile);
+        debug_assert_eq!(recs.len(), nb * lpr);
+        let base: *const u8 = recs.as_ptr().cast();
+        let mut acc = [[_mm512_setzero_ps(); 8]; T];
+        let mut summs = [_mm512_setzero_ps(); T];
+        for b in 0..nb {
+            let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
+            for ((acc, summs), a) in acc.iter_mut().zip(summs.iter_mut()).zip(&acts) {
+                let a = &a[b];
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+                for (l, acc) in acc.iter_mut().enumerate() {
+                    let init = if KIND == Q4_1 {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_set1_epi32(a.corr[l])
+                    };
+                    let i = _mm512_dpbusd_epi32(init, wv[l], act4(a, l));
+                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(i), *acc);
+                }
+                if KIND == Q4_1 {
+                    // `m_w · s_a` is exact in f32: this is ggml's `summs += m * s`.
+                    *summs = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *summs);
+                }
+            }
+        }
+        for (t, (a, summs)) in acc.iter().zip(&summs).enumerate() {
+            // ggml's `hsum_float_8`, lane by lane: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
+            let q0 = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+            let q1 = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+            let mut r = _mm512_add_ps(q0, q1);
+            if KIND == Q4_1 {
+                r = _mm512_add_ps(r, *summs);
+            }
+            store(job, t0 + t, tile, r);
+        }
+    }
+}
