@@ -1,7 +1,9 @@
 //! Times the stages of one prompt step (the spans between the forward pass's trace points:
 //! `Qcur` = norm + Q/K/V products + rope, `kqv_out` = attention, `ffn_inp` = output
 //! projection + residual, `ffn_swiglu` = norm + gate/up products + SwiGLU, `ffn_out` = down
-//! product) for each matrix arithmetic. Usage: `profile MODEL.gguf THREADS TOKENS`.
+//! product, `(tail)` = final norm + output head) for each matrix arithmetic.
+//! Usage: `profile MODEL.gguf THREADS TOKENS [SEQS]`: one prompt of TOKENS tokens, or with
+//! SEQS a decode step of SEQS sequences, each one new token after TOKENS cached positions.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = args.next().ok_or(usage)?;
     let threads: usize = args.next().ok_or(usage)?.parse()?;
     let n_tok: usize = args.next().ok_or(usage)?.parse()?;
+    let seqs: Option<usize> = args.next().map(|s| s.parse()).transpose()?;
     let file = Arc::new(GgufFile::open(&path)?);
     let k = cpu::kernels();
     let pool = ThreadPool::new(threads)?;
@@ -28,7 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             model.repack(k, math)?;
         }
         let name = math.map_or("ggml tiles".to_string(), |m| format!("row-lane {m:?}"));
-        profile(&model, k, &pool, n_tok, &name)?;
+        profile(&model, k, &pool, n_tok, seqs, &name)?;
     }
     Ok(())
 }
@@ -38,47 +41,69 @@ fn profile(
     k: &cpu::Kernels,
     pool: &ThreadPool,
     n_tok: usize,
+    seqs: Option<usize>,
     name: &str,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let ids: Vec<u32> = (0..n_tok as u32).map(|i| 100 + i * 7 % 5000).collect();
     let bs = 16;
-    let nb = n_tok.div_ceil(bs);
-    let mut kv = KvCache::new(&model.cfg, nb, bs)?;
-    let table: Vec<u32> = (0..nb as u32).collect();
-    let mut s = Scratch::new(model, n_tok, nb * bs, pool.n_threads());
-    let mut logits = vec![0.0; model.cfg.n_vocab];
+    let n_seq = seqs.unwrap_or(1);
+    let nb = (n_tok + 1).div_ceil(bs);
+    let mut kv = KvCache::new(&model.cfg, nb * n_seq, bs)?;
+    let tables: Vec<Vec<u32>> =
+        (0..n_seq).map(|i| (0..nb as u32).map(|b| b + (i * nb) as u32).collect()).collect();
+    let step = if seqs.is_some() { n_seq } else { n_tok };
+    let mut s = Scratch::new(model, n_tok.max(n_seq), nb * bs, pool.n_threads());
+    let mut logits = vec![0.0; model.cfg.n_vocab * n_seq];
+    if seqs.is_some() {
+        // Fill every sequence's cache with the prompt (untimed).
+        for table in &tables {
+            let mode = AttnMode::Prefill;
+            let chunk =
+                SeqChunk { tokens: &ids, start_pos: 0, block_table: table, logits: false, mode };
+            model.forward(k, pool, &[chunk], &mut kv, &mut s, &mut logits)?;
+        }
+    }
+    let one = [7u32];
+    let chunks: Vec<SeqChunk<'_>> = match seqs {
+        None => vec![SeqChunk {
+            tokens: &ids,
+            start_pos: 0,
+            block_table: &tables[0],
+            logits: true,
+            mode: AttnMode::Prefill,
+        }],
+        Some(_) => tables
+            .iter()
+            .map(|t| SeqChunk {
+                tokens: &one,
+                start_pos: n_tok,
+                block_table: t,
+                logits: true,
+                mode: AttnMode::Decode,
+            })
+            .collect(),
+    };
     let mut spans: BTreeMap<String, f64> = BTreeMap::new();
     let reps = 4;
     let mut total = 0.0;
     // One untimed step first (page faults, caches).
     for rep in 0..=reps {
-        let mode = AttnMode::Prefill;
-        let chunk =
-            SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: true, mode };
         let start = Instant::now();
         let mut last = start;
-        model.forward_traced(
-            k,
-            pool,
-            &[chunk],
-            &mut kv,
-            &mut s,
-            &mut logits,
-            &mut |op, _, _| {
-                let now = Instant::now();
-                if rep > 0 {
-                    *spans.entry(op.to_string()).or_default() += (now - last).as_secs_f64();
-                }
-                last = Instant::now();
-            },
-        )?;
+        model.forward_traced(k, pool, &chunks, &mut kv, &mut s, &mut logits, &mut |op, _, _| {
+            let now = Instant::now();
+            if rep > 0 {
+                *spans.entry(op.to_string()).or_default() += (now - last).as_secs_f64();
+            }
+            last = Instant::now();
+        })?;
         if rep > 0 {
             total += start.elapsed().as_secs_f64();
             *spans.entry("(tail)".into()).or_default() += last.elapsed().as_secs_f64();
         }
     }
     let per = |v: f64| v * 1e3 / reps as f64;
-    println!("{name}: {:.1} ms per step, {:.0} tok/s", per(total), (n_tok * reps) as f64 / total);
+    println!("{name}: {:.1} ms per step, {:.0} tok/s", per(total), (step * reps) as f64 / total);
     for (op, v) in spans.iter().filter(|(_, v)| **v > 0.0) {
         println!("  {op:>12} {:7.1} ms {:5.1} %", per(*v), 100.0 * v / total);
     }

@@ -4,9 +4,9 @@
 //! group of tokens; per token the block's integer parts of all 16 rows come from 8
 //! `vpdpbusd` with the activation's 4-byte groups broadcast, and the scale products from one
 //! multiply with a broadcast. `Exact` keeps ggml's 8 accumulators per (tile, token) (groups of
-//! [`EXACT_GROUP`] tokens: 9 registers each); `Fast` one (groups of [`FAST_GROUP`]). Token
-//! groups are the outer loop, so a group's activations stay in L1 while the thread's share
-//! of the weights streams from L2 (or memory, for decode).
+//! [`EXACT_GROUP`] tokens: 9 registers each); `Fast` one (groups of [`FAST_GROUP`]). Chunks
+//! of [`CHUNK`] tokens are the outer loop, row tiles the next: a tile's records are read
+//! from memory once per chunk and reused from L1 by every group of the chunk.
 //!
 //! # Safety
 //! `imp_run` requires the CPU features of its `target_feature` attribute; it is reachable
@@ -30,6 +30,26 @@ const Q8_0: u8 = 2;
 const FAST_GROUP: usize = 8;
 /// Tokens per group of the `Exact` kernel: 2 × 9 accumulators and the 8 weight vectors.
 const EXACT_GROUP: usize = 2;
+/// Tokens per chunk: each row tile runs all groups of a chunk while its records (at most
+/// 48 blocks × 576 bytes) stay in L1, and the chunk's activation records (64 × 48 × 76
+/// bytes at most for this model family) in L2; a decode step's weights stream from memory
+/// once.
+const CHUNK: usize = 64;
+/// Row tiles ahead whose records a tile's first group prefetches.
+const PREFETCH_TILES: usize = 2;
+
+/// Asks for record `b` of row tile `tile` to be fetched into L2.
+#[inline(always)]
+fn prefetch_record(job: &LaneJob<'_>, tile: Option<usize>, b: usize, lpr: usize) {
+    if let Some(tile) = tile {
+        let recs = &job.w.tile(tile)[b * lpr..(b + 1) * lpr];
+        for line in recs {
+            // SAFETY: a prefetch never faults and has no architectural effect; the address
+            // is a line of the weights.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.0.as_ptr().cast()) };
+        }
+    }
+}
 
 const fn kind_ty(kind: u8) -> GgmlType {
     match kind {
@@ -77,23 +97,35 @@ pub(crate) fn avx512() -> Lanes {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 fn imp_run<const KIND: u8, const EXACT: bool>(job: &LaneJob<'_>, rows: Range<usize>) {
     job.check(&rows);
-    let mut t0 = 0;
-    while t0 < job.n_tok {
-        let left = job.n_tok - t0;
-        let g = if EXACT { left.min(EXACT_GROUP) } else { left.min(FAST_GROUP) };
-        match (EXACT, g) {
-            (true, 1) => exact::<KIND, 1>(job, &rows, t0),
-            (true, _) => exact::<KIND, 2>(job, &rows, t0),
-            (false, 1) => fast::<KIND, 1>(job, &rows, t0),
-            (false, 2) => fast::<KIND, 2>(job, &rows, t0),
-            (false, 3) => fast::<KIND, 3>(job, &rows, t0),
-            (false, 4) => fast::<KIND, 4>(job, &rows, t0),
-            (false, 5) => fast::<KIND, 5>(job, &rows, t0),
-            (false, 6) => fast::<KIND, 6>(job, &rows, t0),
-            (false, 7) => fast::<KIND, 7>(job, &rows, t0),
-            (false, _) => fast::<KIND, 8>(job, &rows, t0),
+    let tiles = rows.start / LANE_ROWS..rows.end / LANE_ROWS;
+    let mut c0 = 0;
+    while c0 < job.n_tok {
+        let c1 = (c0 + CHUNK).min(job.n_tok);
+        for tile in tiles.clone() {
+            let mut t0 = c0;
+            // The first group of the chunk fetches a later tile's records (the stream
+            // prefetcher alone leaves the loads of a fresh tile exposed).
+            let mut ahead = (tile + PREFETCH_TILES < tiles.end).then_some(tile + PREFETCH_TILES);
+            while t0 < c1 {
+                let left = c1 - t0;
+                let g = if EXACT { left.min(EXACT_GROUP) } else { left.min(FAST_GROUP) };
+                let pf = ahead.take();
+                match (EXACT, g) {
+                    (true, 1) => exact::<KIND, 1>(job, tile, t0, pf),
+                    (true, _) => exact::<KIND, 2>(job, tile, t0, pf),
+                    (false, 1) => fast::<KIND, 1>(job, tile, t0, pf),
+                    (false, 2) => fast::<KIND, 2>(job, tile, t0, pf),
+                    (false, 3) => fast::<KIND, 3>(job, tile, t0, pf),
+                    (false, 4) => fast::<KIND, 4>(job, tile, t0, pf),
+                    (false, 5) => fast::<KIND, 5>(job, tile, t0, pf),
+                    (false, 6) => fast::<KIND, 6>(job, tile, t0, pf),
+                    (false, 7) => fast::<KIND, 7>(job, tile, t0, pf),
+                    (false, _) => fast::<KIND, 8>(job, tile, t0, pf),
+                }
+                t0 += g;
+            }
         }
-        t0 += g;
+        c0 = c1;
     }
 }
 
@@ -149,19 +181,25 @@ fn store(job: &LaneJob<'_>, t: usize, tile: usize, v: __m512) {
     unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) };
 }
 
-/// `Fast`: tokens `t0..t0 + T` over the row tiles of `rows`.
+/// `Fast`: tokens `t0..t0 + T` of row tile `tile`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 #[inline]
-fn fast<const KIND: u8, const T: usize>(job: &LaneJob<'_>, rows: &Range<usize>, t0: usize) {
+fn fast<const KIND: u8, const T: usize>(
+    job: &LaneJob<'_>,
+    tile: usize,
+    t0: usize,
+    ahead: Option<usize>,
+) {
     let nb = job.w.nb();
     let lpr = rec_lines(kind_ty(KIND));
     let acts: [&[LaneAct]; T] = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
-    for tile in rows.start / LANE_ROWS..rows.end / LANE_ROWS {
+    {
         let recs = job.w.tile(tile);
         debug_assert_eq!(recs.len(), nb * lpr);
         let base: *const u8 = recs.as_ptr().cast();
         let mut acc = [_mm512_setzero_ps(); T];
         for b in 0..nb {
+            prefetch_record(job, ahead, b, lpr);
             let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
             for (acc, a) in acc.iter_mut().zip(&acts) {
                 let a = &a[b];
@@ -187,20 +225,26 @@ fn fast<const KIND: u8, const T: usize>(job: &LaneJob<'_>, rows: &Range<usize>, 
     }
 }
 
-/// `Exact`: tokens `t0..t0 + T` over the row tiles of `rows`.
+/// `Exact`: tokens `t0..t0 + T` of row tile `tile`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 #[inline]
-fn exact<const KIND: u8, const T: usize>(job: &LaneJob<'_>, rows: &Range<usize>, t0: usize) {
+fn exact<const KIND: u8, const T: usize>(
+    job: &LaneJob<'_>,
+    tile: usize,
+    t0: usize,
+    ahead: Option<usize>,
+) {
     let nb = job.w.nb();
     let lpr = rec_lines(kind_ty(KIND));
     let acts: [&[LaneAct]; T] = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
-    for tile in rows.start / LANE_ROWS..rows.end / LANE_ROWS {
+    {
         let recs = job.w.tile(tile);
         debug_assert_eq!(recs.len(), nb * lpr);
         let base: *const u8 = recs.as_ptr().cast();
         let mut acc = [[_mm512_setzero_ps(); 8]; T];
         let mut summs = [_mm512_setzero_ps(); T];
         for b in 0..nb {
+            prefetch_record(job, ahead, b, lpr);
             let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
             for ((acc, summs), a) in acc.iter_mut().zip(summs.iter_mut()).zip(&acts) {
                 let a = &a[b];
