@@ -4,6 +4,7 @@
 //! product, `(tail)` = final norm + output head) for each matrix arithmetic.
 //! Usage: `profile MODEL.gguf THREADS TOKENS [SEQS]`: one prompt of TOKENS tokens, or with
 //! SEQS a decode step of SEQS sequences, each one new token after TOKENS cached positions.
+//! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,7 +26,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let file = Arc::new(GgufFile::open(&path)?);
     let k = cpu::kernels();
     let pool = ThreadPool::new(threads)?;
+    let only = std::env::var("MATH").ok();
     for math in [None, Some(LaneMath::Exact), Some(LaneMath::Fast)] {
+        let tag = math.map_or("ggml", |m| if m == LaneMath::Exact { "exact" } else { "fast" });
+        if only.as_deref().is_some_and(|o| o != tag) {
+            continue;
+        }
         let mut model = LlamaModel::load(file.clone())?;
         if let Some(math) = math {
             model.repack(k, math)?;
@@ -84,7 +90,7 @@ fn profile(
             .collect(),
     };
     let mut spans: BTreeMap<String, f64> = BTreeMap::new();
-    let reps = 4;
+    let reps: usize = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
     let mut total = 0.0;
     // One untimed step first (page faults, caches).
     for rep in 0..=reps {

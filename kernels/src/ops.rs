@@ -345,6 +345,76 @@ pub fn matmul_with(
     Ok(())
 }
 
+/// `N` products with one input: `outs[m] = ws[m] · xq` for every token, as [`matmul`] would
+/// compute each (the same bits). Where every matrix has a row-lane copy the level can use,
+/// the activations are packed once and all products run in one dispatch of the pool
+/// (each thread takes its share of every matrix); otherwise one [`matmul`] after another.
+/// `xq` is quantized for `ws[0].act_ty()`, which every matrix must share.
+pub fn matmul_many<const N: usize>(
+    k: &Kernels,
+    pool: &ThreadPool,
+    ws: [&QMatrix<'_>; N],
+    xq: &[u8],
+    n_tok: usize,
+    outs: [&mut [f32]; N],
+) -> Result<(), KernelError> {
+    let Some(first) = ws.first() else { return Ok(()) };
+    if ws.iter().any(|w| w.act_ty != first.act_ty || w.cols != first.cols) {
+        return Err(KernelError::Shape("matmul_many needs matrices of one input type and width"));
+    }
+    let lk = match k.lanes {
+        Some(lk) if ws.iter().all(|w| w.lanes.is_some() && w.ty == first.ty) => lk,
+        _ => {
+            for (w, out) in ws.into_iter().zip(outs) {
+                matmul(k, pool, w, xq, n_tok, out)?;
+            }
+            return Ok(());
+        }
+    };
+    let act_row = first.act_ty.row_size(first.cols as u64).unwrap_or(0) as usize;
+    if xq.len() != act_row * n_tok || ws.iter().zip(&outs).any(|(w, o)| o.len() != n_tok * w.rows) {
+        return Err(KernelError::Shape("matmul operand sizes do not match"));
+    }
+    if n_tok == 0 {
+        return Ok(());
+    }
+    let bad = KernelError::Shape("activation buffer misaligned");
+    let acts = match first.act_ty {
+        GgmlType::Q8_0 => Acts::Q8_0(cast_blocks(xq).ok_or(bad)?),
+        GgmlType::Q8_1 => Acts::Q8_1(cast_blocks(xq).ok_or(bad)?),
+        other => return Err(KernelError::UnsupportedType(other)),
+    };
+    thread_local! {
+        static PACKED: std::cell::RefCell<Vec<LaneAct>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    PACKED.with(|p| {
+        let mut p = p.try_borrow_mut().map_err(|_| KernelError::Shape("matmul_many re-entered"))?;
+        let nb = first.cols / first.ty.block_size();
+        let need = n_tok * nb;
+        if p.len() < need {
+            p.resize(need, LaneAct::default());
+        }
+        let packed = &mut p[..need];
+        if !crate::cpu::lanes::pack(first.ty, acts, n_tok, nb, packed) {
+            return Err(KernelError::Shape("matmul activations do not fit the kernel"));
+        }
+        let outs = outs.map(DisjointOut::new);
+        let jobs: [Option<LaneJob<'_>>; N] = std::array::from_fn(|m| {
+            ws[m].lanes.map(|lw| LaneJob { w: lw, acts: packed, n_tok, out: &outs[m] })
+        });
+        let run = |i: usize, n: usize| {
+            // Thread `i` writes only the rows of its own `split_range` of each matrix.
+            for (job, w) in jobs.iter().zip(&ws) {
+                if let Some(job) = job {
+                    (lk.run)(job, split_range(w.rows, i, n, LANE_ROWS));
+                }
+            }
+        };
+        pool.run(&run);
+        Ok(())
+    })
+}
+
 /// The serial kernel of [`matmul`] over a range of rows.
 fn matmul_rows(
     k: &Kernels,

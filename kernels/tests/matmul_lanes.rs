@@ -183,3 +183,59 @@ fn repack_rejects_what_it_cannot_tile() {
     let other = QMatrix::new(GgmlType::Q4_1, 8, 128, w16).unwrap();
     assert!(other.with_lanes(&lm).is_err());
 }
+
+#[test]
+fn many_products_with_one_input_equal_one_product_each() {
+    let mut rng = rng(95);
+    let pool = ThreadPool::new(2).unwrap();
+    for k in levels() {
+        for repacked in [false, true] {
+            let shapes = [(48, 576), (16, 576), (32, 576)];
+            let ws: Vec<_> =
+                shapes.iter().map(|&(r, c)| weights(&mut rng, GgmlType::Q4_1, r, c)).collect();
+            let lms: Vec<_> = shapes
+                .iter()
+                .zip(&ws)
+                .map(|(&(r, c), w)| {
+                    LaneMatrix::repack(LaneMath::Exact, GgmlType::Q4_1, r, c, w.bytes()).unwrap()
+                })
+                .collect();
+            let ms: Vec<QMatrix<'_>> = shapes
+                .iter()
+                .zip(&ws)
+                .zip(&lms)
+                .map(|((&(r, c), w), lm)| {
+                    let m = QMatrix::new(GgmlType::Q4_1, r, c, w.bytes()).unwrap();
+                    if repacked { m.with_lanes(lm).unwrap() } else { m }
+                })
+                .collect();
+            for n_tok in [1usize, 5, 17] {
+                let act = activations(&mut rng, &k, &ms[0], n_tok);
+                let mut one: Vec<Vec<f32>> =
+                    shapes.iter().map(|&(r, _)| vec![0.0; r * n_tok]).collect();
+                for (m, o) in ms.iter().zip(one.iter_mut()) {
+                    ops::matmul(&k, &pool, m, act.bytes(), n_tok, o).unwrap();
+                }
+                let mut many: Vec<Vec<f32>> =
+                    shapes.iter().map(|&(r, _)| vec![f32::NAN; r * n_tok]).collect();
+                let [a, b, c] = &mut many[..] else { unreachable!() };
+                ops::matmul_many(
+                    &k,
+                    &pool,
+                    [&ms[0], &ms[1], &ms[2]],
+                    act.bytes(),
+                    n_tok,
+                    [a, b, c],
+                )
+                .unwrap();
+                for (x, y) in one.iter().zip(&many) {
+                    assert!(
+                        x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} repacked={repacked} {n_tok} tokens",
+                        k.level
+                    );
+                }
+            }
+        }
+    }
+}

@@ -259,9 +259,12 @@ pub(crate) fn pack(
         return false;
     }
     let rec = |qs: [i8; 32], d: f16, s: f32, c: i32| {
-        let corr: [i32; 8] = std::array::from_fn(|l| {
-            -c * qs[4 * l..4 * l + 4].iter().map(|&q| i32::from(q)).sum::<i32>()
-        });
+        let mut corr = [0i32; 8];
+        if c != 0 {
+            for (l, q) in corr.iter_mut().zip(qs.chunks_exact(4)) {
+                *l = -c * q.iter().map(|&q| i32::from(q)).sum::<i32>();
+            }
+        }
         LaneAct { qs, d: d.to_f32(), s, corr, corr_sum: corr.iter().sum() }
     };
     match (ty, acts) {

@@ -12,7 +12,7 @@ use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::ops::{
     self, AttnMode, AttnScratch, DisjointBytes, DisjointOut, activation_bytes, attention_group,
-    matmul, quantize_activations,
+    matmul, matmul_many, quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
 
@@ -245,15 +245,20 @@ impl LlamaModel {
             let wv = self.view(&l.wv)?;
             // Q, K and V reuse one quantization of the input when their types agree.
             let mut len = quantize_par(k, pool, wq.act_ty(), &s.xn[..n * d], d, act)?;
-            matmul(k, pool, &wq, &act[..len], n, &mut s.q[..n * qd])?;
-            if wk.act_ty() != wq.act_ty() {
-                len = quantize_activations(k, wk.act_ty(), &s.xn[..n * d], d, act)?.len();
+            if wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
+                let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
+                matmul_many(k, pool, [&wq, &wk, &wv], &act[..len], n, outs)?;
+            } else {
+                matmul(k, pool, &wq, &act[..len], n, &mut s.q[..n * qd])?;
+                if wk.act_ty() != wq.act_ty() {
+                    len = quantize_activations(k, wk.act_ty(), &s.xn[..n * d], d, act)?.len();
+                }
+                matmul(k, pool, &wk, &act[..len], n, &mut s.k[..n * kvd])?;
+                if wv.act_ty() != wk.act_ty() {
+                    len = quantize_activations(k, wv.act_ty(), &s.xn[..n * d], d, act)?.len();
+                }
+                matmul(k, pool, &wv, &act[..len], n, &mut s.v[..n * kvd])?;
             }
-            matmul(k, pool, &wk, &act[..len], n, &mut s.k[..n * kvd])?;
-            if wv.act_ty() != wk.act_ty() {
-                len = quantize_activations(k, wv.act_ty(), &s.xn[..n * d], d, act)?.len();
-            }
-            matmul(k, pool, &wv, &act[..len], n, &mut s.v[..n * kvd])?;
             add_bias(&mut s.q[..n * qd], l.bq.as_deref());
             add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
             add_bias(&mut s.v[..n * kvd], l.bv.as_deref());
@@ -355,11 +360,14 @@ impl LlamaModel {
             let wg = self.view(&l.w_gate)?;
             let wu = self.view(&l.w_up)?;
             let mut len = quantize_par(k, pool, wg.act_ty(), &s.xn[..n * d], d, act)?;
-            matmul(k, pool, &wg, &act[..len], n, &mut s.gate[..n * ff])?;
-            if wu.act_ty() != wg.act_ty() {
+            if wu.act_ty() == wg.act_ty() {
+                let outs = [&mut s.gate[..n * ff], &mut s.up[..n * ff]];
+                matmul_many(k, pool, [&wg, &wu], &act[..len], n, outs)?;
+            } else {
+                matmul(k, pool, &wg, &act[..len], n, &mut s.gate[..n * ff])?;
                 len = quantize_activations(k, wu.act_ty(), &s.xn[..n * d], d, act)?.len();
+                matmul(k, pool, &wu, &act[..len], n, &mut s.up[..n * ff])?;
             }
-            matmul(k, pool, &wu, &act[..len], n, &mut s.up[..n * ff])?;
             {
                 let (gate, uo) = (&s.gate[..n * ff], DisjointOut::new(&mut s.up[..n * ff]));
                 par_tokens(pool, n, &|r| {
