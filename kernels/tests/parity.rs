@@ -45,6 +45,8 @@ fn every_table_slot_has_a_parity_test() {
             rmsnorm: _,       // rmsnorm_*
             softmax: _,       // softmax_*
             swiglu: _,        // swiglu_*, silu_*
+            rope_norm: _,     // rope_*
+            rope_neox: _,     // rope_*
             attn_head: _,     // tests/ops.rs fused_attention_*
             gemm: _,          // tests/matmul_exact.rs
             lanes: _,         // tests/matmul_lanes.rs
@@ -773,6 +775,35 @@ fn swiglu_matches_reference() {
                         close_ulps(*p, *q, 8.0, 1e-30),
                         "swiglu n={n} i={i} g={} at {}: {p} vs {q}",
                         g[i],
+                        k.level
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_matches_reference_bit_for_bit() {
+    let mut rng = rng(44);
+    for k in levels() {
+        for n_dims in [2usize, 32, 64, 128] {
+            for pos in [0u32, 1, 77, 4095] {
+                let mut cache = vec![0.0; n_dims];
+                kvx_kernels::ops::rope_cache(pos, n_dims, 10000.0, None, &mut cache);
+                let x = randv(&mut rng, n_dims);
+                for neox in [false, true] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    if neox {
+                        (k.rope_neox)(&mut a, &cache, n_dims);
+                        kvx_kernels::ops::rope_neox(&mut b, &cache, n_dims);
+                    } else {
+                        (k.rope_norm)(&mut a, &cache, n_dims);
+                        kvx_kernels::ops::rope_norm(&mut b, &cache, n_dims);
+                    }
+                    assert!(
+                        a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "rope neox={neox} n_dims={n_dims} pos={pos} at {}",
                         k.level
                     );
                 }

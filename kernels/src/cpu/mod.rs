@@ -143,6 +143,10 @@ pub struct Kernels {
     pub softmax: fn(&mut [f32], f32),
     /// `out = silu(gate) * up`.
     pub swiglu: fn(&[f32], &[f32], &mut [f32]),
+    /// Rope in normal mode with a position's `[cos, sin]` table ([`crate::ops::rope_norm`]).
+    pub rope_norm: fn(&mut [f32], &[f32], usize),
+    /// Rope in NeoX mode ([`crate::ops::rope_neox`]).
+    pub rope_neox: fn(&mut [f32], &[f32], usize),
     /// One query head's whole attention (scores, softmax, weighted values) with the bits of
     /// the generic path built from the entries above ([`crate::ops::attention_generic`]);
     /// `None` where the level has no fused kernel.

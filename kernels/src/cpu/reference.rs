@@ -34,6 +34,8 @@ pub const KERNELS: Kernels = Kernels {
     rmsnorm,
     softmax,
     swiglu,
+    rope_norm: crate::ops::rope_norm,
+    rope_neox: crate::ops::rope_neox,
     attn_head: None,
     gemm: super::gemm::Gemm::NONE,
     lanes: None,

@@ -265,8 +265,8 @@ impl LlamaModel {
 
             {
                 let rope = match c.rope_kind {
-                    RopeKind::Norm => ops::rope_norm,
-                    RopeKind::Neox => ops::rope_neox,
+                    RopeKind::Norm => k.rope_norm,
+                    RopeKind::Neox => k.rope_neox,
                 };
                 let rc = &s.rope;
                 let (qo, ko) =

@@ -50,6 +50,21 @@ safe_wrapper!(axpy_f16 => imp_axpy_f16(a: f32, x: &[f16], y: &mut [f32]));
 safe_wrapper!(rmsnorm => imp_rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]));
 safe_wrapper!(softmax => imp_softmax(x: &mut [f32], scale: f32));
 safe_wrapper!(swiglu => imp_swiglu(gate: &[f32], up: &[f32], out: &mut [f32]));
+safe_wrapper!(rope_norm => imp_rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize));
+safe_wrapper!(rope_neox => imp_rope_neox(x: &mut [f32], cache: &[f32], n_dims: usize));
+
+/// The scalar rope with its fused multiply-adds as instructions (the same bits; without the
+/// `fma` feature each one is a library call).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn imp_rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize) {
+    crate::ops::rope_norm_inline(x, cache, n_dims);
+}
+
+/// NeoX rope, as [`imp_rope_norm`].
+#[target_feature(enable = "avx2,fma,f16c")]
+fn imp_rope_neox(x: &mut [f32], cache: &[f32], n_dims: usize) {
+    crate::ops::rope_neox_inline(x, cache, n_dims);
+}
 
 /// The AVX2 table. Only [`crate::cpu::Kernels::for_level`] (and the AVX-512 table, which
 /// implies AVX2) may call this.
@@ -76,6 +91,8 @@ pub(crate) fn kernels() -> Kernels {
         rmsnorm,
         softmax,
         swiglu,
+        rope_norm,
+        rope_neox,
         attn_head: None,
         gemm: crate::cpu::gemm::Gemm::NONE,
         lanes: None,
