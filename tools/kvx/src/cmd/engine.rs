@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use clap::builder::FalseyValueParser;
 use kvx_engine::scheduler::SchedulerConfig;
 use kvx_engine::{Engine, EngineConfig, EngineError, ModelBackend};
 use kvx_kernels::cpu::Kernels;
@@ -42,16 +43,16 @@ pub(crate) struct EngineOpts {
     #[arg(long, env = "KVX_MAX_WAITING", default_value_t = 1024)]
     pub(crate) max_waiting: usize,
     /// Compute whole prompts in one step instead of chunking them.
-    #[arg(long, env = "KVX_NO_CHUNKED_PREFILL")]
+    #[arg(long, env = "KVX_NO_CHUNKED_PREFILL", value_parser = FalseyValueParser::new())]
     pub(crate) no_chunked_prefill: bool,
     /// Do not reuse KV blocks across requests.
-    #[arg(long, env = "KVX_NO_PREFIX_CACHING")]
+    #[arg(long, env = "KVX_NO_PREFIX_CACHING", value_parser = FalseyValueParser::new())]
     pub(crate) no_prefix_caching: bool,
     /// Compute quantized matrix products with one rounding per block and row instead of
     /// ggml's association: about twice the arithmetic rate on AVX-512, but logits then
     /// differ from llama.cpp's in rounding, which a quantized model amplifies, so greedy
     /// tokens can diverge from llama.cpp's.
-    #[arg(long, env = "KVX_FAST_MATH")]
+    #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new())]
     pub(crate) fast_math: bool,
 }
 
