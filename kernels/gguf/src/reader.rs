@@ -155,6 +155,30 @@ impl GgufFile {
         Self::parse(backing)
     }
 
+    /// Lets the operating system drop the pages of bytes `range` from this process's resident
+    /// memory (`madvise(MADV_DONTNEED)`): for data that was copied elsewhere and will be
+    /// read rarely if ever. The bytes stay readable and unchanged (a later read maps them
+    /// again from the page cache). A no-op for files held in memory, and best effort: an
+    /// out-of-range request or a refusal by the OS changes nothing.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        if let Backing::Mmap(m) = &self.backing
+            && range.start < range.end
+            && range.end <= m.len()
+        {
+            // SAFETY: the map is a read-only shared mapping of a file, so `MADV_DONTNEED`
+            // only drops page-table entries: no data is discarded (nothing was written) and
+            // every later read faults the same file contents back in; references into the
+            // map stay valid. The range lies inside the map (checked above).
+            let _ = unsafe {
+                m.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.end - range.start,
+                )
+            };
+        }
+    }
+
     /// Parses a file held in memory (tests, fuzzing, files built with [`crate::GgufWriter`]).
     ///
     /// The bytes are copied into 64-byte-aligned storage so tensor data is as aligned as it

@@ -156,7 +156,9 @@ impl LlamaModel {
     /// Copies every matrix the row-lane kernel of `k` handles into its layout
     /// ([`crate::cpu::lanes`]), so that products with it use that kernel in `math`; returns
     /// the bytes copied (0 where `k` has no such kernel). The token embedding itself stays
-    /// in the file (only its rows are read); a tied output head gets its own copy.
+    /// in the file (only its rows are read); a tied output head gets its own copy. The file
+    /// pages of each copied matrix are released from resident memory once it is copied, so
+    /// the copies replace the mapped weights in the resident set instead of adding to them.
     pub fn repack(&mut self, k: &Kernels, math: LaneMath) -> Result<usize, ModelError> {
         if k.lanes.is_none() {
             return Ok(0);
@@ -175,6 +177,9 @@ impl LlamaModel {
                 .map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))?;
             bytes += l.bytes();
             m.lanes = Some(l);
+            // Products read the copy from now on: the file's pages of this matrix need not
+            // stay resident (token embedding rows, if tied, fault back in as they are read).
+            file.release(m.range.clone());
             Ok(())
         };
         one(&mut self.output)?;
