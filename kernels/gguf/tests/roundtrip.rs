@@ -104,7 +104,7 @@ fn open_maps_a_file() {
     // Released pages read back unchanged; out-of-range or empty requests change nothing.
     let before = f.bytes().to_vec();
     f.release(0..f.bytes().len());
-    f.release(10..5);
+    f.release(5..5);
     f.release(0..f.bytes().len() + 1);
     assert_eq!(f.bytes(), &before[..]);
     assert_eq!(f.tensor_data_by_name("b.q4_1").unwrap(), &[0xAB; 20][..]);
