@@ -300,7 +300,7 @@ pub fn matmul_with(
             scratch.acts.resize(need, LaneAct::default());
         }
         let packed = &mut scratch.acts[..need];
-        if !crate::cpu::lanes::pack(w.ty, typed_acts()?, n_tok, nb, packed) {
+        if !pack_lanes(pool, w.ty, typed_acts()?, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
         let job = LaneJob { w: lw, acts: packed, n_tok, out: &out };
@@ -395,7 +395,7 @@ pub fn matmul_many<const N: usize>(
             p.resize(need, LaneAct::default());
         }
         let packed = &mut p[..need];
-        if !crate::cpu::lanes::pack(first.ty, acts, n_tok, nb, packed) {
+        if !pack_lanes(pool, first.ty, acts, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
         let outs = outs.map(DisjointOut::new);
@@ -413,6 +413,38 @@ pub fn matmul_many<const N: usize>(
         pool.run(&run);
         Ok(())
     })
+}
+
+/// Tokens from which the row-lane activation records are packed by every thread of the
+/// pool (one extra dispatch) instead of by the caller alone.
+const PARALLEL_PACK_TOKENS: usize = 64;
+
+/// [`crate::cpu::lanes::pack`] with the tokens split over the pool for large steps.
+fn pack_lanes(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    acts: Acts<'_>,
+    n_tok: usize,
+    nb: usize,
+    dst: &mut [LaneAct],
+) -> bool {
+    if n_tok < PARALLEL_PACK_TOKENS || pool.n_threads() == 1 || dst.len() != n_tok * nb {
+        return crate::cpu::lanes::pack(ty, acts, n_tok, nb, dst);
+    }
+    let ok = std::sync::atomic::AtomicBool::new(true);
+    let out = Disjoint::new(dst);
+    let job = |i: usize, n: usize| {
+        // Thread `i` writes only the records of its own tokens.
+        let r = split_range(n_tok, i, n, 1);
+        let done = acts.blocks(r.start * nb, r.len() * nb).is_some_and(|a| {
+            crate::cpu::lanes::pack(ty, a, r.len(), nb, out.range(r.start * nb, r.len() * nb))
+        });
+        if !done {
+            ok.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    pool.run(&job);
+    ok.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The serial kernel of [`matmul`] over a range of rows.

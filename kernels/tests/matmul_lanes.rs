@@ -1,5 +1,5 @@
 //! The row-lane matrix kernels (`cpu::lanes`) against their scalar twins: for `Q4_0`, `Q4_1`
-//! and `Q8_0`, every level with the kernels, token counts 1..=40, several shapes and thread
+//! and `Q8_0`, every level with the kernels, token counts 1..=70, several shapes and thread
 //! counts, output `(t, r)` has exactly the bits of the level's dot product `dot(W[r], x[t])`
 //! (`Exact`) or of `lanes::dot_reference(W[r], x[t])` (`Fast`); the bits of one token's
 //! outputs do not depend on the tokens batched with it; and the `Fast` arithmetic stays
@@ -70,7 +70,7 @@ fn lanes_equal_the_reference_for_every_shape_token_and_thread_count() {
                 let m = QMatrix::new(ty, rows, cols, w.bytes()).unwrap().with_lanes(&lm).unwrap();
                 assert!(m.uses_lanes(&k));
                 let mut scratch = MatmulScratch::new();
-                for n_tok in (1..=12).chain([15, 16, 17, 23, 40]) {
+                for n_tok in (1..=12).chain([15, 16, 17, 23, 40, 64, 70]) {
                     let act = activations(&mut rng, &k, &m, n_tok);
                     let pool = &pools[(n_tok + rows) % pools.len()];
                     let mut out = vec![f32::NAN; n_tok * rows];
@@ -209,7 +209,7 @@ fn many_products_with_one_input_equal_one_product_each() {
                     if repacked { m.with_lanes(lm).unwrap() } else { m }
                 })
                 .collect();
-            for n_tok in [1usize, 5, 17] {
+            for n_tok in [1usize, 5, 17, 66] {
                 let act = activations(&mut rng, &k, &ms[0], n_tok);
                 let mut one: Vec<Vec<f32>> =
                     shapes.iter().map(|&(r, _)| vec![0.0; r * n_tok]).collect();

@@ -53,6 +53,17 @@ pub(crate) enum Acts<'a> {
     Q8_1(&'a [BlockQ8_1]),
 }
 
+impl<'a> Acts<'a> {
+    /// Blocks `start..start + len`, if they exist.
+    pub(crate) fn blocks(self, start: usize, len: usize) -> Option<Acts<'a>> {
+        let end = start.checked_add(len)?;
+        Some(match self {
+            Acts::Q8_0(a) => Acts::Q8_0(a.get(start..end)?),
+            Acts::Q8_1(a) => Acts::Q8_1(a.get(start..end)?),
+        })
+    }
+}
+
 /// One call's operands, shared by the threads of the pool.
 pub(crate) struct GemmJob<'a> {
     /// The whole weight matrix (`rows * row_bytes` bytes).
