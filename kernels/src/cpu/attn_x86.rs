@@ -197,6 +197,20 @@ fn pv_classes<const W: usize, const G: usize>(
     }
 }
 
+/// Asks for the cache lines of the rows of `len` halves at `offs` in `data` (rows outside
+/// `data` are skipped).
+#[inline(always)]
+fn prefetch_rows<const HINT: i32>(data: &[f16], offs: &[usize], len: usize) {
+    for &o in offs {
+        let Some(row) = data.get(o..o + len) else { continue };
+        for line in row.chunks(32) {
+            // SAFETY: a prefetch never faults and has no architectural effect; the address is
+            // inside `data`.
+            unsafe { _mm_prefetch::<HINT>(line.as_ptr().cast()) };
+        }
+    }
+}
+
 /// The start of each position's row in `head.data` (`offs.len()` positions); `false` if a
 /// block is missing or a row lies outside the data.
 fn row_offsets(head: &PagedHead<'_>, offs: &mut [usize]) -> bool {
@@ -277,6 +291,17 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     while p0 < n {
         let m = (n - p0).min(16);
         let ko = &offs[p0..p0 + m];
+        // A decode step reads each sequence's rows once, from scattered blocks in memory:
+        // fetch the next 16 keys into L1 and this chunk's values into L2 while the scores
+        // are computed (the weighted sums walk the values class by class, out of order).
+        // Prompt tokens re-read rows that are already cached; there it only costs.
+        if !prefill {
+            let next = &offs[(p0 + 16).min(n)..(p0 + 32).min(n)];
+            prefetch_rows::<_MM_HINT_T0>(keys.data, next, hd);
+            if same_layout {
+                prefetch_rows::<_MM_HINT_T1>(values.data, ko, vd);
+            }
+        }
         let a = &mut acc;
         match (hd, gemm_scores, gn) {
             (64, true, 1) => keys16::<4, true, 1>(&qa, keys.data, ko, a),
