@@ -181,6 +181,22 @@ fn store(job: &LaneJob<'_>, t: usize, tile: usize, v: __m512) {
     unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) };
 }
 
+/// The activations of tokens `t0..t0 + T`, the start of row tile `tile`'s records and the
+/// lines per record.
+#[inline(always)]
+fn tile_view<'a, const KIND: u8, const T: usize>(
+    job: &LaneJob<'a>,
+    tile: usize,
+    t0: usize,
+) -> ([&'a [LaneAct]; T], *const u8, usize) {
+    let nb = job.w.nb();
+    let lpr = rec_lines(kind_ty(KIND));
+    let recs = job.w.tile(tile);
+    debug_assert_eq!(recs.len(), nb * lpr);
+    let acts = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
+    (acts, recs.as_ptr().cast(), lpr)
+}
+
 /// `Fast`: tokens `t0..t0 + T` of row tile `tile`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 #[inline]
@@ -190,15 +206,10 @@ fn fast<const KIND: u8, const T: usize>(
     t0: usize,
     ahead: Option<usize>,
 ) {
-    let nb = job.w.nb();
-    let lpr = rec_lines(kind_ty(KIND));
-    let acts: [&[LaneAct]; T] = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
+    let (acts, base, lpr) = tile_view::<KIND, T>(job, tile, t0);
     {
-        let recs = job.w.tile(tile);
-        debug_assert_eq!(recs.len(), nb * lpr);
-        let base: *const u8 = recs.as_ptr().cast();
         let mut acc = [_mm512_setzero_ps(); T];
-        for b in 0..nb {
+        for b in 0..job.w.nb() {
             prefetch_record(job, ahead, b, lpr);
             let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
             for (acc, a) in acc.iter_mut().zip(&acts) {
@@ -234,16 +245,11 @@ fn exact<const KIND: u8, const T: usize>(
     t0: usize,
     ahead: Option<usize>,
 ) {
-    let nb = job.w.nb();
-    let lpr = rec_lines(kind_ty(KIND));
-    let acts: [&[LaneAct]; T] = std::array::from_fn(|t| &job.acts[(t0 + t) * nb..][..nb]);
+    let (acts, base, lpr) = tile_view::<KIND, T>(job, tile, t0);
     {
-        let recs = job.w.tile(tile);
-        debug_assert_eq!(recs.len(), nb * lpr);
-        let base: *const u8 = recs.as_ptr().cast();
         let mut acc = [[_mm512_setzero_ps(); 8]; T];
         let mut summs = [_mm512_setzero_ps(); T];
-        for b in 0..nb {
+        for b in 0..job.w.nb() {
             prefetch_record(job, ahead, b, lpr);
             let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
             for ((acc, summs), a) in acc.iter_mut().zip(summs.iter_mut()).zip(&acts) {
