@@ -208,15 +208,27 @@ pub fn matmul(
     n_tok: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<MatmulScratch> =
-            const { std::cell::RefCell::new(MatmulScratch::new()) };
-    }
     SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut s) => matmul_with(k, pool, w, xq, n_tok, out, &mut s),
         // Only reachable by re-entering `matmul` from inside a kernel, which nothing does.
         Err(_) => matmul_with(k, pool, w, xq, n_tok, out, &mut MatmulScratch::new()),
     })
+}
+
+thread_local! {
+    /// The scratch of [`matmul`] and [`matmul_many`] on this thread.
+    static SCRATCH: std::cell::RefCell<MatmulScratch> =
+        const { std::cell::RefCell::new(MatmulScratch::new()) };
+}
+
+/// `xq` as the activation blocks of `act_ty`.
+fn typed_acts(act_ty: GgmlType, xq: &[u8]) -> Result<Acts<'_>, KernelError> {
+    let bad = KernelError::Shape("activation buffer misaligned");
+    match act_ty {
+        GgmlType::Q8_0 => Ok(Acts::Q8_0(cast_blocks(xq).ok_or(bad)?)),
+        GgmlType::Q8_1 => Ok(Acts::Q8_1(cast_blocks(xq).ok_or(bad)?)),
+        other => Err(KernelError::UnsupportedType(other)),
+    }
 }
 
 /// Working memory of [`matmul_with`]: the activations repacked for the matrix kernels.
@@ -228,7 +240,8 @@ pub struct MatmulScratch {
 
 impl std::fmt::Debug for MatmulScratch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MatmulScratch").field("bytes", &(self.lines.len() * 64)).finish()
+        let bytes = self.lines.len() * 64 + self.acts.len() * size_of::<LaneAct>();
+        f.debug_struct("MatmulScratch").field("bytes", &bytes).finish()
     }
 }
 
@@ -287,12 +300,6 @@ pub fn matmul_with(
         return Ok(());
     }
     let out = DisjointOut::new(out);
-    let bad = KernelError::Shape("activation buffer misaligned");
-    let typed_acts = || match w.act_ty {
-        GgmlType::Q8_0 => Ok(Acts::Q8_0(cast_blocks(xq).ok_or(bad)?)),
-        GgmlType::Q8_1 => Ok(Acts::Q8_1(cast_blocks(xq).ok_or(bad)?)),
-        other => Err(KernelError::UnsupportedType(other)),
-    };
     if let (Some(lw), Some(lk)) = (w.lanes, k.lanes) {
         let nb = lw.nb();
         let need = n_tok * nb;
@@ -300,7 +307,7 @@ pub fn matmul_with(
             scratch.acts.resize(need, LaneAct::default());
         }
         let packed = &mut scratch.acts[..need];
-        if !pack_lanes(pool, w.ty, typed_acts()?, n_tok, nb, packed) {
+        if !pack_lanes(pool, w.ty, typed_acts(w.act_ty, xq)?, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
         let job = LaneJob { w: lw, acts: packed, n_tok, out: &out };
@@ -312,7 +319,7 @@ pub fn matmul_with(
         return Ok(());
     }
     if let Some(g) = k.gemm.for_type(w.ty) {
-        let acts = typed_acts()?;
+        let acts = typed_acts(w.act_ty, xq)?;
         let nb = w.cols / w.ty.block_size();
         let lines = (g.lines)(n_tok, nb);
         scratch.grow(lines);
@@ -378,23 +385,15 @@ pub fn matmul_many<const N: usize>(
     if n_tok == 0 {
         return Ok(());
     }
-    let bad = KernelError::Shape("activation buffer misaligned");
-    let acts = match first.act_ty {
-        GgmlType::Q8_0 => Acts::Q8_0(cast_blocks(xq).ok_or(bad)?),
-        GgmlType::Q8_1 => Acts::Q8_1(cast_blocks(xq).ok_or(bad)?),
-        other => return Err(KernelError::UnsupportedType(other)),
-    };
-    thread_local! {
-        static PACKED: std::cell::RefCell<Vec<LaneAct>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    PACKED.with(|p| {
-        let mut p = p.try_borrow_mut().map_err(|_| KernelError::Shape("matmul_many re-entered"))?;
+    let acts = typed_acts(first.act_ty, xq)?;
+    SCRATCH.with(|s| {
+        let mut s = s.try_borrow_mut().map_err(|_| KernelError::Shape("matmul_many re-entered"))?;
         let nb = first.cols / first.ty.block_size();
         let need = n_tok * nb;
-        if p.len() < need {
-            p.resize(need, LaneAct::default());
+        if s.acts.len() < need {
+            s.acts.resize(need, LaneAct::default());
         }
-        let packed = &mut p[..need];
+        let packed = &mut s.acts[..need];
         if !pack_lanes(pool, first.ty, acts, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
@@ -679,17 +678,7 @@ pub fn attention(
     sc: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let hd = keys.head_dim;
-    if q.len() != hd
-        || out.len() != values.head_dim
-        || sc.q16.len() < hd
-        || sc.scores.len() < n_pos
-        || sc.probs.len() < n_pos
-        || sc.classes.len() < 64 * values.head_dim
-        || n_pos == 0
-    {
-        return Err(KernelError::Shape("attention operand sizes do not match"));
-    }
+    check_attention(q, keys, values, n_pos, sc, out)?;
     if let Some(fused) = k.attn_head {
         let job = AttnHeadJob { mode, q, heads: 1, keys, values, n_pos, scale, softmax: k.softmax };
         if fused(&job, sc, out) {
@@ -738,6 +727,29 @@ pub fn attention_group(
 /// is sized for it.
 pub const MAX_ATTN_GROUP: usize = 4;
 
+/// The operand sizes [`attention`] and [`attention_generic`] need.
+fn check_attention(
+    q: &[f32],
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    sc: &AttnScratch,
+    out: &[f32],
+) -> Result<(), KernelError> {
+    let hd = keys.head_dim;
+    if q.len() != hd
+        || out.len() != values.head_dim
+        || sc.q16.len() < hd
+        || sc.scores.len() < n_pos
+        || sc.probs.len() < n_pos
+        || sc.classes.len() < 64 * values.head_dim
+        || n_pos == 0
+    {
+        return Err(KernelError::Shape("attention operand sizes do not match"));
+    }
+    Ok(())
+}
+
 /// [`attention`] without the level's fused kernel: the association twin that the fused
 /// kernels are tested against.
 #[allow(clippy::too_many_arguments)]
@@ -752,17 +764,8 @@ pub fn attention_generic(
     sc: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    check_attention(q, keys, values, n_pos, sc, out)?;
     let hd = keys.head_dim;
-    if q.len() != hd
-        || out.len() != values.head_dim
-        || sc.q16.len() < hd
-        || sc.scores.len() < n_pos
-        || sc.probs.len() < n_pos
-        || sc.classes.len() < 64 * values.head_dim
-        || n_pos == 0
-    {
-        return Err(KernelError::Shape("attention operand sizes do not match"));
-    }
     let missing = KernelError::Shape("block table shorter than the sequence");
     let (dot, vshape) = match mode {
         AttnMode::Prefill if values.head_dim.is_multiple_of(4) => (k.dot_f16_gemm, k.attn.prefill),
