@@ -87,6 +87,8 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
         if v.is_empty() { 0.0 } else { v[v.len() / 2] }
     };
     let (pp_med, tg_med) = (med(&mut pp), med(&mut tg));
+    // `--fast-math` takes effect only where the level has the row-lane kernels.
+    let math = if opts.fast_math && kernels.lanes.is_some() { "fast" } else { "ggml-exact" };
     if args.json {
         println!(
             "{}",
@@ -94,18 +96,22 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
                 "model": loaded.path.display().to_string(),
                 "threads": threads,
                 "kernels": kernels.level.name(),
+                "arithmetic": math,
                 "pp": args.pp, "pp_tok_s": pp_med, "pp_runs": pp,
                 "tg": args.tg, "tg_tok_s": tg_med, "tg_runs": tg,
             })
         );
     } else {
-        println!("| test | threads | kernels | tok/s (median of {}) |", args.reps.max(1));
-        println!("|---|---|---|---|");
+        println!(
+            "| test | threads | kernels | arithmetic | tok/s (median of {}) |",
+            args.reps.max(1)
+        );
+        println!("|---|---|---|---|---|");
         if args.pp > 0 {
-            println!("| pp{} | {threads} | {} | {pp_med:.1} |", args.pp, kernels.level);
+            println!("| pp{} | {threads} | {} | {math} | {pp_med:.1} |", args.pp, kernels.level);
         }
         if args.tg > 0 {
-            println!("| tg{} | {threads} | {} | {tg_med:.1} |", args.tg, kernels.level);
+            println!("| tg{} | {threads} | {} | {math} | {tg_med:.1} |", args.tg, kernels.level);
         }
     }
     Ok(())
