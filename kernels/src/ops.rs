@@ -193,9 +193,11 @@ impl<T: Copy> Disjoint<T> {
 /// rows already quantized for `w.act_ty()`, `out` is `n_tok × w.rows()` row-major.
 ///
 /// Every output has the bits of the level's dot product of row `r` and token `t` (for
-/// `Q4_0`/`Q4_1`/`Q8_0` at the SIMD levels computed by the tiled kernels of
-/// [`crate::cpu::gemm`]). Rows are split across the pool's threads; each weight row is read
-/// once for all tokens.
+/// `Q4_0`/`Q4_1`/`Q8_0` at the SIMD levels computed by the row-lane kernels of
+/// [`crate::cpu::lanes`] when `w` carries a row-lane copy and the level has them, else by the
+/// tiled kernels of [`crate::cpu::gemm`]); the one exception is a copy repacked for
+/// [`crate::cpu::lanes::LaneMath::Fast`], whose outputs follow that arithmetic instead. Rows
+/// are split across the pool's threads; each weight row is read once per chunk of tokens.
 ///
 /// The packed activations live in a per-thread [`MatmulScratch`] that grows to the largest
 /// call and is then reused (no allocation in steady state); [`matmul_with`] takes the
