@@ -207,32 +207,30 @@ fn fast<const KIND: u8, const T: usize>(
     ahead: Option<usize>,
 ) {
     let (acts, base, lpr) = tile_view::<KIND, T>(job, tile, t0);
-    {
-        let mut acc = [_mm512_setzero_ps(); T];
-        for b in 0..job.w.nb() {
-            prefetch_record(job, ahead, b, lpr);
-            let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
-            for (acc, a) in acc.iter_mut().zip(&acts) {
-                let a = &a[b];
-                // Exact integers: any order of these additions gives the same sum, so the
-                // chain is split in two for latency.
-                let mut i0 = _mm512_set1_epi32(a.corr_sum);
-                let mut i1 = _mm512_setzero_si512();
-                for j in 0..4 {
-                    i0 = _mm512_dpbusd_epi32(i0, wv[j], act4(a, j));
-                    i1 = _mm512_dpbusd_epi32(i1, wv[4 + j], act4(a, 4 + j));
-                }
-                let i = _mm512_add_epi32(i0, i1);
-                let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, *acc);
-                if KIND == Q4_1 {
-                    *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *acc);
-                }
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..job.w.nb() {
+        prefetch_record(job, ahead, b, lpr);
+        let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
+        for (acc, a) in acc.iter_mut().zip(&acts) {
+            let a = &a[b];
+            // Exact integers: any order of these additions gives the same sum, so the
+            // chain is split in two for latency.
+            let mut i0 = _mm512_set1_epi32(a.corr_sum);
+            let mut i1 = _mm512_setzero_si512();
+            for j in 0..4 {
+                i0 = _mm512_dpbusd_epi32(i0, wv[j], act4(a, j));
+                i1 = _mm512_dpbusd_epi32(i1, wv[4 + j], act4(a, 4 + j));
+            }
+            let i = _mm512_add_epi32(i0, i1);
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, *acc);
+            if KIND == Q4_1 {
+                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *acc);
             }
         }
-        for (t, acc) in acc.iter().enumerate() {
-            store(job, t0 + t, tile, *acc);
-        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        store(job, t0 + t, tile, *acc);
     }
 }
 
@@ -246,39 +244,37 @@ fn exact<const KIND: u8, const T: usize>(
     ahead: Option<usize>,
 ) {
     let (acts, base, lpr) = tile_view::<KIND, T>(job, tile, t0);
-    {
-        let mut acc = [[_mm512_setzero_ps(); 8]; T];
-        let mut summs = [_mm512_setzero_ps(); T];
-        for b in 0..job.w.nb() {
-            prefetch_record(job, ahead, b, lpr);
-            let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
-            for ((acc, summs), a) in acc.iter_mut().zip(summs.iter_mut()).zip(&acts) {
-                let a = &a[b];
-                let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
-                for (l, acc) in acc.iter_mut().enumerate() {
-                    let init = if KIND == Q4_1 {
-                        _mm512_setzero_si512()
-                    } else {
-                        _mm512_set1_epi32(a.corr[l])
-                    };
-                    let i = _mm512_dpbusd_epi32(init, wv[l], act4(a, l));
-                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(i), *acc);
-                }
-                if KIND == Q4_1 {
-                    // `m_w · s_a` is exact in f32: this is ggml's `summs += m * s`.
-                    *summs = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *summs);
-                }
+    let mut acc = [[_mm512_setzero_ps(); 8]; T];
+    let mut summs = [_mm512_setzero_ps(); T];
+    for b in 0..job.w.nb() {
+        prefetch_record(job, ahead, b, lpr);
+        let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
+        for ((acc, summs), a) in acc.iter_mut().zip(summs.iter_mut()).zip(&acts) {
+            let a = &a[b];
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let init = if KIND == Q4_1 {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_set1_epi32(a.corr[l])
+                };
+                let i = _mm512_dpbusd_epi32(init, wv[l], act4(a, l));
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(i), *acc);
             }
-        }
-        for (t, (a, summs)) in acc.iter().zip(&summs).enumerate() {
-            // ggml's `hsum_float_8`, lane by lane: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
-            let q0 = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
-            let q1 = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
-            let mut r = _mm512_add_ps(q0, q1);
             if KIND == Q4_1 {
-                r = _mm512_add_ps(r, *summs);
+                // `m_w · s_a` is exact in f32: this is ggml's `summs += m * s`.
+                *summs = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *summs);
             }
-            store(job, t0 + t, tile, r);
         }
+    }
+    for (t, (a, summs)) in acc.iter().zip(&summs).enumerate() {
+        // ggml's `hsum_float_8`, lane by lane: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
+        let q0 = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+        let q1 = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+        let mut r = _mm512_add_ps(q0, q1);
+        if KIND == Q4_1 {
+            r = _mm512_add_ps(r, *summs);
+        }
+        store(job, t0 + t, tile, r);
     }
 }
