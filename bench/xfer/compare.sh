@@ -18,6 +18,11 @@
 #   MC_BENCH  Mooncake's transfer_engine_bench (default: inside /tmp/venv-mc)
 #   WORKDIR   scratch directory on the disk under test (default: mktemp under /var/tmp)
 #   ONLY      space-separated subset of: memcpy iperf fio nixl mooncake
+#   HUGEPAGES auto (default): when run as root with too few 2 MiB hugepages reserved, reserve
+#             enough for kvx's pools for the run and restore the count at exit (NIXL's numpy
+#             buffers get transparent hugepages on their own); off: leave the system as it is
+#   COPY_THREADS  kvx shm copy threads in the peer rows (default 2; NIXL gets as many UCX
+#             threads, Mooncake runs 2); the memcpy row always compares one thread with one
 # The machine is shared: the load average is printed with every result; compare medians.
 set -euo pipefail
 
@@ -29,19 +34,37 @@ KVX=${KVX:-$ROOT/target/release/kvx}
 NIXL_PY=${NIXL_PY:-/tmp/venv-nixl/bin/python}
 MC_BENCH=${MC_BENCH:-$(ls /tmp/venv-mc/lib/python3*/site-packages/mooncake/transfer_engine_bench 2>/dev/null | head -1 || true)}
 ONLY=${ONLY:-memcpy iperf fio nixl mooncake}
+HUGEPAGES=${HUGEPAGES:-auto}
+COPY_THREADS=${COPY_THREADS:-2}
 WORK=${WORKDIR:-$(mktemp -d /var/tmp/kvx-xfer-compare.XXXXXX)}
 mkdir -p "$WORK"
 RES="$WORK/results.tsv"
 : > "$RES"
 PIDS=()
 
+HP_SYSCTL=/proc/sys/vm/nr_hugepages
+HP_RESTORE=""
 cleanup() {
     for p in "${PIDS[@]:-}"; do
         [ -n "$p" ] && kill "$p" 2>/dev/null || true
     done
     rm -f "$WORK"/*.dat "$WORK"/fio.file
+    if [ -n "$HP_RESTORE" ]; then
+        echo "$HP_RESTORE" > "$HP_SYSCTL" || true
+    fi
 }
 trap cleanup EXIT
+
+# kvx's largest case holds two 1 GiB pools (initiator and peer): 1024 pages of 2 MiB.
+HP_NEED=1040
+if [ "$HUGEPAGES" = auto ] && [ -w "$HP_SYSCTL" ]; then
+    hp_now=$(cat "$HP_SYSCTL")
+    if [ "$hp_now" -lt "$HP_NEED" ]; then
+        HP_RESTORE=$hp_now
+        echo "$HP_NEED" > "$HP_SYSCTL" || true
+        echo "reserved $(cat "$HP_SYSCTL") hugepages for the run (was $hp_now; restored at exit)"
+    fi
+fi
 
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$(cut -d' ' -f1 /proc/loadavg)" >> "$RES"; echo "  $1: $2 GB/s (load $(cut -d' ' -f1 /proc/loadavg))"; }
@@ -78,12 +101,14 @@ fio_ref() { # rw
 nixl_ref() { # name block blocks batch inflight
     local d="$WORK/nixl.$RANDOM"
     mkdir -p "$d"
-    "$NIXL_PY" "$HERE/nixl_bench.py" target --dir "$d" --block "$2" --blocks "$3" >"$d/target.log" 2>&1 &
+    "$NIXL_PY" "$HERE/nixl_bench.py" target --dir "$d" --block "$2" --blocks "$3" \
+        --threads "$COPY_THREADS" >"$d/target.log" 2>&1 &
     local tp=$!
     PIDS+=("$tp")
     local out
     out=$(timeout 120 "$NIXL_PY" "$HERE/nixl_bench.py" initiator --dir "$d" --block "$2" --blocks "$3" \
-        --batch "$4" --inflight "$5" --secs "$SECS" 2>/dev/null | grep '^nixl ' || true)
+        --batch "$4" --inflight "$5" --secs "$SECS" --threads "$COPY_THREADS" 2>/dev/null |
+        grep '^nixl ' || true)
     record "$1" "$(sed 's/.*gbps=//' <<<"${out:-gbps=0}")"
     sleep 0.3
     kill "$tp" 2>/dev/null || true
@@ -112,6 +137,7 @@ mc_ref() { # name block batch
 }
 
 echo "work dir $WORK; $RUNS runs x $SECS s; $(nproc) CPUs; load $(cat /proc/loadavg)"
+echo "hugepages reserved: $(cat "$HP_SYSCTL" 2>/dev/null || echo ?); kvx shm copy threads (peer rows): $COPY_THREADS"
 if want mooncake && [ -x "${MC_BENCH:-/nonexistent}" ]; then
     export LD_LIBRARY_PATH="$(dirname "$MC_BENCH"):${LD_LIBRARY_PATH:-}"
     mc_start
@@ -135,17 +161,21 @@ for r in $(seq "$RUNS"); do
     fi
     if want nixl && [ -x "$NIXL_PY" ]; then
         nixl_ref nixl-64K 65536 4096 64 4
-        kvx kvx-shm-64Kx64 --backend shm --block-size 64K --blocks 4096 --batch 64 --inflight 4
+        kvx kvx-shm-64Kx64 --backend shm --block-size 64K --blocks 4096 --batch 64 --inflight 4 \
+            --copy-threads "$COPY_THREADS"
         nixl_ref nixl-4M 4194304 64 4 4
-        kvx kvx-shm-4Mx4 --backend shm --block-size 4M --blocks 64 --batch 4 --inflight 4
+        kvx kvx-shm-4Mx4 --backend shm --block-size 4M --blocks 64 --batch 4 --inflight 4 \
+            --copy-threads "$COPY_THREADS"
     fi
     if want mooncake && [ -n "$MC_PORT" ]; then
         mc_ref mooncake-64K 65536 128
         kvx kvx-tcp-64Kx128 --backend tcp --block-size 64K --blocks 16384 --batch 128 --inflight 2
-        kvx kvx-shm-64Kx128 --backend shm --block-size 64K --blocks 16384 --batch 128 --inflight 2
+        kvx kvx-shm-64Kx128 --backend shm --block-size 64K --blocks 16384 --batch 128 --inflight 2 \
+            --copy-threads "$COPY_THREADS"
         mc_ref mooncake-4M 4194304 8
         kvx kvx-tcp-4Mx8 --backend tcp --block-size 4M --blocks 256 --batch 8 --inflight 2
-        kvx kvx-shm-4Mx8 --backend shm --block-size 4M --blocks 256 --batch 8 --inflight 2
+        kvx kvx-shm-4Mx8 --backend shm --block-size 4M --blocks 256 --batch 8 --inflight 2 \
+            --copy-threads "$COPY_THREADS"
     fi
 done
 

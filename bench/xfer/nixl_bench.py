@@ -7,6 +7,7 @@ SECS measured seconds. Metadata is exchanged through files in --dir.
 
   nixl_bench.py target    --dir D --block B --blocks N
   nixl_bench.py initiator --dir D --block B --blocks N --batch K --inflight Q --secs S --op WRITE
+                          [--threads T]
 
 The initiator prints one line: "nixl op=WRITE block=B batch=K gbps=X".
 """
@@ -40,12 +41,14 @@ def main():
     ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--secs", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="UCX backend threads (nixl_agent_config num_threads; 0 = its default)")
     ap.add_argument("--op", default="WRITE", choices=["WRITE", "READ"])
     a = ap.parse_args()
 
     pool = a.block * a.blocks
     buf = np.ones(pool, dtype=np.uint8)
-    agent = nixl_agent(a.role, nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent(a.role, nixl_agent_config(backends=["UCX"], num_threads=a.threads))
     agent.register_memory([(buf.ctypes.data, pool, 0, "")], "DRAM")
 
     if a.role == "target":

@@ -84,6 +84,9 @@ pub struct AgentConfig {
     pub hugepages: HugePages,
     /// Blocks at least this large are copied with non-temporal stores on the shm path.
     pub nt_threshold: usize,
+    /// Threads that copy shm transfers (1 = the copy thread alone). With more, a transfer of
+    /// at least [`crate::shm::SPLIT_MIN`] bytes is split into equal byte ranges copied at once.
+    pub copy_threads: usize,
     /// A transfer not finished after this long fails with [`XferError::Timeout`].
     pub xfer_timeout: Duration,
     /// Timeout for connecting and handshaking with a remote.
@@ -105,6 +108,7 @@ impl AgentConfig {
             notif_capacity: 4096,
             hugepages: HugePages::Auto,
             nt_threshold: 64 << 10,
+            copy_threads: 1,
             xfer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             ring_entries: 256,

@@ -40,6 +40,8 @@ pub struct BenchConfig {
     pub hugepages: HugePages,
     /// Non-temporal copy threshold for the shm backend.
     pub nt_threshold: usize,
+    /// Copy threads of the shm backend.
+    pub copy_threads: usize,
     /// Backing file for the file backend.
     pub file: PathBuf,
     /// Send a notification with every transfer.
@@ -81,6 +83,8 @@ pub struct BenchReport {
     pub max_us: f64,
     /// Whether the local pool sits on hugetlb pages.
     pub hugepages: bool,
+    /// Copy threads of the shm backend.
+    pub copy_threads: usize,
     /// 1-minute load average when the run ended.
     pub load1: f64,
 }
@@ -89,7 +93,7 @@ impl BenchReport {
     /// One human-readable line.
     pub fn line(&self) -> String {
         format!(
-            "{:<5} {:<5} block {:>8} x{:<4} inflight {:<3} {:>7.3} GB/s  {:>7} xfers  lat p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us  (huge {}, load {:.2})",
+            "{:<5} {:<5} block {:>8} x{:<4} inflight {:<3} {:>7.3} GB/s  {:>7} xfers  lat p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us  (huge {}, copy threads {}, load {:.2})",
             self.backend,
             self.op,
             self.block_size,
@@ -102,6 +106,7 @@ impl BenchReport {
             self.p99_us,
             self.max_us,
             self.hugepages,
+            self.copy_threads,
             self.load1
         )
     }
@@ -137,6 +142,7 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
     ac.tcp_listen = None;
     ac.hugepages = cfg.hugepages;
     ac.nt_threshold = cfg.nt_threshold;
+    ac.copy_threads = cfg.copy_threads;
     ac.max_inflight = cfg.inflight.max(16) * 2;
     ac.ring_entries = 256;
     ac.tcp_zero_copy = cfg.zero_copy;
@@ -215,6 +221,7 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
         p99_us: pct(&lat, 0.99),
         max_us: pct(&lat, 1.0),
         hugepages: huge,
+        copy_threads: cfg.copy_threads,
         load1: load1(),
     })
 }

@@ -51,11 +51,14 @@ impl Drop for Fx {
 thread_local! {
     /// Zero-copy policy for agents built by this test thread (each test runs on its own).
     static ZC: std::cell::Cell<ZeroCopy> = const { std::cell::Cell::new(ZeroCopy::Auto) };
+    /// Copy threads of the shm backend for agents built by this test thread.
+    static COPY_THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
 }
 
 fn base_cfg(name: &str) -> AgentConfig {
     let mut c = AgentConfig::new(name);
     c.tcp_zero_copy = ZC.with(|z| z.get());
+    c.copy_threads = COPY_THREADS.with(|t| t.get());
     c
 }
 
@@ -145,13 +148,19 @@ fn place(rng: &mut StdRng, lens: &[u64], span: u64, unit: u64, max_units: u64) -
 }
 
 fn random_lists_verified_byte_for_byte(backend: Backend) {
+    let unit = if backend == Backend::File { DIRECT_IO_ALIGN } else { 1 };
+    random_lists_with(backend, 24, if unit == 1 { 70_000 } else { 17 }, 12);
+}
+
+/// Rounds of up to `max_n` random ranges of up to `max_units` units each, written to the
+/// target and read back to fresh places, every byte checked.
+fn random_lists_with(backend: Backend, max_n: usize, max_units: u64, rounds: usize) {
     let fx = fixture(backend);
-    let mut rng = StdRng::seed_from_u64(0x5eed ^ backend as u64);
+    let mut rng = StdRng::seed_from_u64(0x5eed ^ backend as u64 ^ max_units);
     let unit = fx.unit();
-    let max_units = if unit == 1 { 70_000 } else { 17 };
     let half = REGION / 2;
-    for round in 0..12 {
-        let n = rng.random_range(1..=24);
+    for round in 0..rounds {
+        let n = rng.random_range(1..=max_n);
         let rr = random_ranges(&mut rng, n, REGION, unit, max_units);
         // Local source ranges in the first half, with the same lengths.
         let lens: Vec<u64> = rr.iter().map(|r| r.1).collect();
@@ -528,6 +537,41 @@ mod tcp_zero_copy {
     fn notif_back_pressure() {
         zc();
         notifications_back_pressure_not_loss(Backend::Tcp)
+    }
+}
+
+/// The shm suite again with three copy threads: transfers of 1 MiB and more are split into
+/// byte ranges that start and end inside segments.
+mod shm_split_copy {
+    use super::*;
+    fn three() {
+        COPY_THREADS.with(|t| t.set(3));
+    }
+    #[test]
+    fn random_lists() {
+        three();
+        random_lists_verified_byte_for_byte(Backend::Shm)
+    }
+    #[test]
+    fn large_random_lists() {
+        three();
+        // Up to 18 ranges of up to 200,000 bytes: most transfers are split, at odd offsets.
+        random_lists_with(Backend::Shm, 18, 200_000, 16)
+    }
+    #[test]
+    fn many_in_flight_any_order() {
+        three();
+        many_in_flight_complete_in_any_order(Backend::Shm)
+    }
+    #[test]
+    fn cancel() {
+        three();
+        cancel_before_start(Backend::Shm)
+    }
+    #[test]
+    fn peer_killed() {
+        three();
+        peer_killed_mid_transfer(Backend::Shm)
     }
 }
 

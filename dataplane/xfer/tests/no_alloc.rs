@@ -1,5 +1,6 @@
 //! The steady-state transfer path does not allocate: after a warm-up, posting and completing
-//! 3000 prepped transfers (12000 blocks) on every backend, both agents' engines included,
+//! 3000 prepped transfers (12000 blocks) on every backend, and 3000 split between two copy
+//! threads, every agent's engines included,
 //! performs no per-transfer or per-block heap allocation. Counted with a global allocator; this binary holds a single test so no other
 //! test's allocations are counted.
 
@@ -60,19 +61,27 @@ fn steady_state_transfers_do_not_allocate() {
     let rid = a.add_remote(&b.metadata()).unwrap();
     let me = a.add_remote(&a.metadata()).unwrap();
     let descs = |r| (0..4).map(|i| Desc::new(r, i * 65536, 65536)).collect::<Vec<_>>();
+    // A third agent copying with two threads: its 1 MiB transfers are split between them.
+    let mut cc = AgentConfig::new("c");
+    cc.copy_threads = 2;
+    let c = Agent::new(cc).unwrap();
+    let lc = c.alloc_mem(4 << 20).unwrap();
+    let rid_c = c.add_remote(&b.metadata()).unwrap();
+    let big = |r| (0..16).map(|i| Desc::new(r, i * 65536, 65536)).collect::<Vec<_>>();
     let cases = [
-        (Backend::Shm, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Shm)).unwrap()),
-        (Backend::Tcp, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Tcp)).unwrap()),
-        (Backend::File, a.prep(me, &descs(la), &descs(fa), Some(Backend::File)).unwrap()),
+        (&a, Backend::Shm, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Shm)).unwrap()),
+        (&a, Backend::Tcp, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Tcp)).unwrap()),
+        (&a, Backend::File, a.prep(me, &descs(la), &descs(fa), Some(Backend::File)).unwrap()),
+        (&c, Backend::Shm, c.prep(rid_c, &big(lc), &big(rb), Some(Backend::Shm)).unwrap()),
     ];
     let mut sink = Vec::with_capacity(10_000);
-    for (backend, p) in &cases {
-        run(&a, p, 200); // warm-up: lazily built per-connection state, thread-locals
+    for (agent, backend, p) in &cases {
+        run(agent, p, 200); // warm-up: lazily built per-connection state, thread-locals
         let _ = b.get_notifs(&mut sink);
         let _ = a.get_notifs(&mut sink);
         sink.clear();
         let before = ALLOCS.load(Ordering::SeqCst);
-        run(&a, p, 3000);
+        run(agent, p, 3000);
         let after = ALLOCS.load(Ordering::SeqCst);
         // A per-transfer or per-block allocation would show up thousands of times; allow a
         // handful of one-off lazy initialisations (thread parking, channel wait contexts).

@@ -56,6 +56,10 @@ pub(crate) struct XferArgs {
     /// Blocks at least this large are copied with non-temporal stores (shm).
     #[arg(long, default_value = "64K", value_parser = parse_size)]
     nt_threshold: u64,
+    /// Threads copying shm transfers; with more than one, transfers of 1 MiB and up are split
+    /// across them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    copy_threads: u16,
     /// Send a notification with every transfer.
     #[arg(long)]
     notify: bool,
@@ -152,6 +156,7 @@ pub(crate) fn run(a: XferArgs) -> anyhow::Result<()> {
         warmup: Duration::from_secs_f64(a.warmup.max(0.0)),
         hugepages,
         nt_threshold: usize::try_from(a.nt_threshold).unwrap_or(usize::MAX),
+        copy_threads: usize::from(a.copy_threads),
         file: file.clone(),
         notify: a.notify,
         zero_copy: match a.zero_copy.as_str() {
