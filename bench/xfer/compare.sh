@@ -23,6 +23,8 @@
 #             buffers get transparent hugepages on their own); off: leave the system as it is
 #   COPY_THREADS  kvx shm copy threads in the peer rows (default 2; NIXL gets as many UCX
 #             threads, Mooncake runs 2); the memcpy row always compares one thread with one
+#   TCP_THREADS   kvx io_uring threads (= connections) per side in the Mooncake rows (default
+#             2, as Mooncake's --threads=2); the iperf3 row compares one stream with one
 # The machine is shared: the load average is printed with every result; compare medians.
 set -euo pipefail
 
@@ -36,6 +38,7 @@ MC_BENCH=${MC_BENCH:-$(ls /tmp/venv-mc/lib/python3*/site-packages/mooncake/trans
 ONLY=${ONLY:-memcpy iperf fio nixl mooncake}
 HUGEPAGES=${HUGEPAGES:-auto}
 COPY_THREADS=${COPY_THREADS:-2}
+TCP_THREADS=${TCP_THREADS:-2}
 WORK=${WORKDIR:-$(mktemp -d /var/tmp/kvx-xfer-compare.XXXXXX)}
 mkdir -p "$WORK"
 RES="$WORK/results.tsv"
@@ -137,7 +140,7 @@ mc_ref() { # name block batch
 }
 
 echo "work dir $WORK; $RUNS runs x $SECS s; $(nproc) CPUs; load $(cat /proc/loadavg)"
-echo "hugepages reserved: $(cat "$HP_SYSCTL" 2>/dev/null || echo ?); kvx shm copy threads (peer rows): $COPY_THREADS"
+echo "hugepages reserved: $(cat "$HP_SYSCTL" 2>/dev/null || echo ?); kvx shm copy threads / tcp threads (peer rows): $COPY_THREADS / $TCP_THREADS"
 if want mooncake && [ -x "${MC_BENCH:-/nonexistent}" ]; then
     export LD_LIBRARY_PATH="$(dirname "$MC_BENCH"):${LD_LIBRARY_PATH:-}"
     mc_start
@@ -169,11 +172,13 @@ for r in $(seq "$RUNS"); do
     fi
     if want mooncake && [ -n "$MC_PORT" ]; then
         mc_ref mooncake-64K 65536 128
-        kvx kvx-tcp-64Kx128 --backend tcp --block-size 64K --blocks 16384 --batch 128 --inflight 2
+        kvx kvx-tcp-64Kx128 --backend tcp --block-size 64K --blocks 16384 --batch 128 --inflight 2 \
+            --tcp-threads "$TCP_THREADS"
         kvx kvx-shm-64Kx128 --backend shm --block-size 64K --blocks 16384 --batch 128 --inflight 2 \
             --copy-threads "$COPY_THREADS"
         mc_ref mooncake-4M 4194304 8
-        kvx kvx-tcp-4Mx8 --backend tcp --block-size 4M --blocks 256 --batch 8 --inflight 2
+        kvx kvx-tcp-4Mx8 --backend tcp --block-size 4M --blocks 256 --batch 8 --inflight 2 \
+            --tcp-threads "$TCP_THREADS"
         kvx kvx-shm-4Mx8 --backend shm --block-size 4M --blocks 256 --batch 8 --inflight 2 \
             --copy-threads "$COPY_THREADS"
     fi

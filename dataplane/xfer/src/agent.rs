@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -87,6 +87,12 @@ pub struct AgentConfig {
     /// Threads that copy shm transfers (1 = the copy thread alone). With more, a transfer of
     /// at least [`crate::shm::SPLIT_MIN`] bytes is split into equal byte ranges copied at once.
     pub copy_threads: usize,
+    /// io_uring engine threads (at least 1). Each has its own ring and its own connection to
+    /// every TCP remote, and transfers to a remote take those connections in turn, so that
+    /// with 2 both ends of a stream keep two cores busy (a connection's bytes are copied by
+    /// the kernel in the thread that drives it). Connections accepted from initiators are
+    /// spread over the engines the same way. File transfers use the first engine.
+    pub tcp_threads: usize,
     /// A transfer not finished after this long fails with [`XferError::Timeout`].
     pub xfer_timeout: Duration,
     /// Timeout for connecting and handshaking with a remote.
@@ -109,6 +115,7 @@ impl AgentConfig {
             hugepages: HugePages::Auto,
             nt_threshold: 64 << 10,
             copy_threads: 1,
+            tcp_threads: 1,
             xfer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             ring_entries: 256,
@@ -136,7 +143,9 @@ pub(crate) struct Remote {
     pub(crate) is_self: bool,
     pub(crate) alive: AtomicBool,
     pub(crate) local: Option<LocalPeer>,
-    pub(crate) tcp: Mutex<Option<ConnRef>>,
+    /// The connection of each io_uring engine to this remote (indexed by engine; empty until
+    /// the first TCP transfer connects).
+    pub(crate) tcp: Mutex<Vec<ConnRef>>,
 }
 
 impl Remote {
@@ -178,8 +187,11 @@ pub(crate) struct Shared {
     pub(crate) shutdown: AtomicBool,
     pub(crate) unix_name: Option<String>,
     pub(crate) tcp_addr: Mutex<Option<SocketAddr>>,
-    pub(crate) uring_wake: OwnedFd,
-    pub(crate) uring_sleeping: AtomicBool,
+    /// Per io_uring engine: its wake-up eventfd, whether it sleeps, and connections accepted
+    /// by engine 0 that it is to serve.
+    pub(crate) uring_wake: Box<[OwnedFd]>,
+    pub(crate) uring_sleeping: Box<[AtomicBool]>,
+    pub(crate) handoff: Box<[Mutex<Vec<OwnedFd>>]>,
     pub(crate) ctl_wake: OwnedFd,
     pub(crate) ctl_watch: Mutex<Vec<(OwnedFd, u32)>>,
     pub(crate) counters: Counters,
@@ -316,8 +328,10 @@ impl XferHandle {
     }
 
     /// Cancel. Returns true when the transfer had not started and is now `Cancelled`; false
-    /// when it already runs (the shm backend stops at the next descriptor; TCP and file
-    /// transfers run to their end) or has finished. Either way the handle reports the outcome.
+    /// when it already runs (the shm backend stops at the next descriptor; a TCP transfer
+    /// still waiting in its connection's send queue ends `Cancelled` unsent; TCP transfers on
+    /// the wire and file transfers run to their end) or has finished. Either way the handle
+    /// reports the outcome.
     pub fn cancel(&self) -> bool {
         self.shared.slots.cancel(self.idx, self.seq)
     }
@@ -334,13 +348,18 @@ impl Drop for XferHandle {
 pub struct Agent {
     shared: Arc<Shared>,
     shm_tx: Option<SyncSender<ShmJob>>,
-    uring_tx: Option<SyncSender<UJob>>,
+    /// Job queues of the io_uring engines (index = engine).
+    uring_tx: Vec<SyncSender<UJob>>,
+    /// Engine for the next TCP transfer (round robin).
+    next_engine: AtomicUsize,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Agent {
     /// Start an agent: its same-host listener, io_uring engine and copy thread.
-    pub fn new(cfg: AgentConfig) -> Result<Agent> {
+    pub fn new(mut cfg: AgentConfig) -> Result<Agent> {
+        cfg.tcp_threads = cfg.tcp_threads.clamp(1, 64);
+        let engines = cfg.tcp_threads;
         let instance = random_u64();
         let unix_name =
             cfg.same_host.then(|| format!("kvx-xfer.{}.{instance:016x}", std::process::id()));
@@ -355,18 +374,26 @@ impl Agent {
             shutdown: AtomicBool::new(false),
             unix_name,
             tcp_addr: Mutex::new(None),
-            uring_wake: eventfd()?,
-            uring_sleeping: AtomicBool::new(false),
+            uring_wake: (0..engines).map(|_| eventfd()).collect::<Result<_>>()?,
+            uring_sleeping: (0..engines).map(|_| AtomicBool::new(false)).collect(),
+            handoff: (0..engines).map(|_| Mutex::new(Vec::with_capacity(16))).collect(),
             ctl_wake: eventfd()?,
             ctl_watch: Mutex::new(Vec::new()),
             counters: Counters::default(),
             cfg,
         });
-        let mut agent =
-            Agent { shared: shared.clone(), shm_tx: None, uring_tx: None, threads: vec![] };
-        let (utx, uth) = uring::start(shared.clone())?;
-        agent.uring_tx = Some(utx);
-        agent.threads.push(uth);
+        let mut agent = Agent {
+            shared: shared.clone(),
+            shm_tx: None,
+            uring_tx: Vec::with_capacity(engines),
+            next_engine: AtomicUsize::new(0),
+            threads: vec![],
+        };
+        for id in 0..engines {
+            let (utx, uth) = uring::start(shared.clone(), id)?;
+            agent.uring_tx.push(utx);
+            agent.threads.push(uth);
+        }
         let (stx, sth) = shm::start_copier(shared.clone())?;
         agent.shm_tx = Some(stx);
         agent.threads.push(sth);
@@ -393,7 +420,7 @@ impl Agent {
         let idx = self.shared.regions.push_with(XferError::Full("region table"), |i| {
             let mut r = region::alloc_mem(RegionId(i), len, self.shared.cfg.hugepages)?;
             let ptr = r.mem_ptr().ok_or(XferError::Protocol("memory region without mapping"))?;
-            r.uring_idx = self.uring_call(|reply| UJob::RegMem { ptr, len: r.len, reply })?;
+            r.uring_idx = self.uring_call(0, |reply| UJob::RegMem { ptr, len: r.len, reply })?;
             Ok(r)
         })?;
         Ok(RegionId(idx))
@@ -405,7 +432,7 @@ impl Agent {
         let idx = self.shared.regions.push_with(XferError::Full("region table"), |i| {
             let mut r = region::open_file(RegionId(i), path, base, len)?;
             let fd = r.fd();
-            r.uring_idx = self.uring_call(|reply| UJob::RegFile { fd, reply })?;
+            r.uring_idx = self.uring_call(0, |reply| UJob::RegFile { fd, reply })?;
             Ok(r)
         })?;
         Ok(RegionId(idx))
@@ -467,7 +494,7 @@ impl Agent {
             None
         } else if let Some(unix) = &md.unix {
             match shm::connect_peer(&self.shared, unix, md, |fd| {
-                self.uring_call(|reply| UJob::RegFile { fd, reply })
+                self.uring_call(0, |reply| UJob::RegFile { fd, reply })
             }) {
                 Ok(p) => Some(p),
                 Err(e) if e.is_remote_gone() => return Err(e),
@@ -484,7 +511,7 @@ impl Agent {
                 is_self,
                 alive: AtomicBool::new(true),
                 local,
-                tcp: Mutex::new(None),
+                tcp: Mutex::new(Vec::new()),
             })
         })?;
         if let Some(w) = watch {
@@ -666,32 +693,45 @@ impl Agent {
 
     fn ensure_tcp(&self, idx: u32, rem: &Remote) -> Result<()> {
         let mut g = rem.tcp.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_some() {
+        if !g.is_empty() {
             return if rem.alive.load(Ordering::Acquire) { Ok(()) } else { Err(rem.gone()) };
         }
         let addr = rem.md.tcp.ok_or(XferError::Unsupported("remote has no tcp endpoint"))?;
-        let fd = uring::connect(&self.shared, addr, &rem.name, self.shared.cfg.connect_timeout)?;
-        let peer = rem.name.clone();
-        let c = self.uring_call(|reply| UJob::AddConn { fd, remote: idx, peer, reply })?;
-        *g = Some(c);
+        let mut conns = Vec::with_capacity(self.uring_tx.len());
+        for engine in 0..self.uring_tx.len() {
+            let to = self.shared.cfg.connect_timeout;
+            let fd = uring::connect(&self.shared, addr, &rem.name, to)?;
+            let peer = rem.name.clone();
+            conns.push(self.uring_call(engine, |reply| UJob::AddConn {
+                fd,
+                remote: idx,
+                peer,
+                reply,
+            })?);
+        }
+        *g = conns;
         Ok(())
     }
 
-    fn uring_call<T>(&self, make: impl FnOnce(SyncSender<Result<T>>) -> UJob) -> Result<T> {
+    fn uring_call<T>(
+        &self,
+        engine: usize,
+        make: impl FnOnce(SyncSender<Result<T>>) -> UJob,
+    ) -> Result<T> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.send_uring(make(tx))?;
+        self.send_uring(engine, make(tx))?;
         rx.recv_timeout(Duration::from_secs(10)).map_err(|_| XferError::Shutdown)?
     }
 
-    fn send_uring(&self, job: UJob) -> Result<()> {
-        let tx = self.uring_tx.as_ref().ok_or(XferError::Shutdown)?;
+    fn send_uring(&self, engine: usize, job: UJob) -> Result<()> {
+        let tx = self.uring_tx.get(engine).ok_or(XferError::Shutdown)?;
         match tx.try_send(job) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => return Err(XferError::Full("io_uring job queue")),
             Err(TrySendError::Disconnected(_)) => return Err(XferError::Shutdown),
         }
-        if self.shared.uring_sleeping.load(Ordering::SeqCst) {
-            wake(&self.shared.uring_wake);
+        if self.shared.uring_sleeping[engine].load(Ordering::SeqCst) {
+            wake(&self.shared.uring_wake[engine]);
         }
         Ok(())
     }
@@ -719,9 +759,12 @@ impl Agent {
                     TrySendError::Disconnected(_) => XferError::Shutdown,
                 })
             }
-            Backend::Tcp | Backend::File => {
-                self.send_uring(UJob::Xfer { idx, seq, op, prep, notif })
+            Backend::Tcp => {
+                let n = self.uring_tx.len().max(1);
+                let engine = self.next_engine.fetch_add(1, Ordering::Relaxed) % n;
+                self.send_uring(engine, UJob::Xfer { idx, seq, op, prep, notif })
             }
+            Backend::File => self.send_uring(0, UJob::Xfer { idx, seq, op, prep, notif }),
             Backend::Rdma => Err(crate::rdma_unavailable()),
         };
         if let Err(e) = sent {
@@ -779,8 +822,10 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         self.shm_tx = None;
-        self.uring_tx = None;
-        wake(&self.shared.uring_wake);
+        self.uring_tx.clear();
+        for w in &self.shared.uring_wake {
+            wake(w);
+        }
         wake(&self.shared.ctl_wake);
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -42,6 +42,8 @@ pub struct BenchConfig {
     pub nt_threshold: usize,
     /// Copy threads of the shm backend.
     pub copy_threads: usize,
+    /// io_uring engine threads (connections per remote) of the tcp backend.
+    pub tcp_threads: usize,
     /// Backing file for the file backend.
     pub file: PathBuf,
     /// Send a notification with every transfer.
@@ -85,6 +87,8 @@ pub struct BenchReport {
     pub hugepages: bool,
     /// Copy threads of the shm backend.
     pub copy_threads: usize,
+    /// io_uring engine threads of the tcp backend (this side and the spawned peer).
+    pub tcp_threads: usize,
     /// 1-minute load average when the run ended.
     pub load1: f64,
 }
@@ -93,7 +97,7 @@ impl BenchReport {
     /// One human-readable line.
     pub fn line(&self) -> String {
         format!(
-            "{:<5} {:<5} block {:>8} x{:<4} inflight {:<3} {:>7.3} GB/s  {:>7} xfers  lat p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us  (huge {}, copy threads {}, load {:.2})",
+            "{:<5} {:<5} block {:>8} x{:<4} inflight {:<3} {:>7.3} GB/s  {:>7} xfers  lat p50 {:.1} p90 {:.1} p99 {:.1} max {:.1} us  (huge {}, copy threads {}, tcp threads {}, load {:.2})",
             self.backend,
             self.op,
             self.block_size,
@@ -107,6 +111,7 @@ impl BenchReport {
             self.max_us,
             self.hugepages,
             self.copy_threads,
+            self.tcp_threads,
             self.load1
         )
     }
@@ -143,6 +148,7 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
     ac.hugepages = cfg.hugepages;
     ac.nt_threshold = cfg.nt_threshold;
     ac.copy_threads = cfg.copy_threads;
+    ac.tcp_threads = cfg.tcp_threads;
     ac.max_inflight = cfg.inflight.max(16) * 2;
     ac.ring_entries = 256;
     ac.tcp_zero_copy = cfg.zero_copy;
@@ -222,6 +228,7 @@ pub fn run(cfg: &BenchConfig, remote: Option<&AgentMetadata>) -> Result<BenchRep
         max_us: pct(&lat, 1.0),
         hugepages: huge,
         copy_threads: cfg.copy_threads,
+        tcp_threads: cfg.tcp_threads,
         load1: load1(),
     })
 }

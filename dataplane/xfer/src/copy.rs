@@ -42,9 +42,30 @@ pub fn best_kind() -> CopyKind {
 /// overlap. Concurrent writers to either range make the copied bytes unspecified but do not
 /// make the copy itself unsound (it only uses raw pointer loads and stores).
 pub unsafe fn copy_block(dst: *mut u8, src: *const u8, len: usize, nt_threshold: usize) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { copy_block_unfenced(dst, src, len, nt_threshold) };
+    store_fence();
+}
+
+/// [`copy_block`] without the closing store fence: streaming stores may still be in flight
+/// when it returns. For copying many blocks in a row; call [`store_fence`] after the last,
+/// before anything that announces the bytes.
+///
+/// # Safety
+/// As [`copy_block`].
+pub unsafe fn copy_block_unfenced(dst: *mut u8, src: *const u8, len: usize, nt_threshold: usize) {
     let kind = if len >= nt_threshold { best_kind() } else { CopyKind::Memcpy };
     // SAFETY: forwarded from the caller's contract.
-    unsafe { copy_with(kind, dst, src, len) }
+    unsafe { copy_with_unfenced(kind, dst, src, len) }
+}
+
+/// Order every earlier streaming store before any later store (`sfence`; a no-op off x86).
+pub fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` is part of SSE, which every x86_64 CPU has.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Copy with an explicit routine (used by parity tests and benchmarks).
@@ -52,6 +73,16 @@ pub unsafe fn copy_block(dst: *mut u8, src: *const u8, len: usize, nt_threshold:
 /// # Safety
 /// As [`copy_block`]; `kind` must be supported by this CPU (use [`best_kind`] or `Memcpy`).
 pub unsafe fn copy_with(kind: CopyKind, dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { copy_with_unfenced(kind, dst, src, len) };
+    store_fence();
+}
+
+/// [`copy_with`] without the closing store fence.
+///
+/// # Safety
+/// As [`copy_with`].
+unsafe fn copy_with_unfenced(kind: CopyKind, dst: *mut u8, src: *const u8, len: usize) {
     match kind {
         CopyKind::Memcpy => {
             // SAFETY: caller guarantees validity and no overlap.
@@ -126,12 +157,8 @@ mod x86 {
             }
             i += 64;
         }
-        // SAFETY: the tail `i..len` is within both ranges; the fence orders the streaming
-        // stores before any later store (e.g. the completion flag or notification).
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
-            _mm_sfence();
-        }
+        // SAFETY: the tail `i..len` is within both ranges. The caller fences (`store_fence`).
+        unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
     }
 
     #[target_feature(enable = "avx2")]
@@ -164,11 +191,8 @@ mod x86 {
             }
             i += 32;
         }
-        // SAFETY: tail in range; fence as in the AVX-512 routine.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
-            _mm_sfence();
-        }
+        // SAFETY: tail in range; the caller fences as for the AVX-512 routine.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
     }
 }
 

@@ -23,11 +23,13 @@
 //! * **shm** (same host): on `add_remote` the initiator connects the peer's abstract Unix
 //!   socket, receives its region fds by `SCM_RIGHTS` and maps every memory region once.
 //!   A transfer is a copy in the initiator's copy thread — `memcpy` for small blocks,
-//!   AVX-512/AVX2 non-temporal stores for blocks ≥ `nt_threshold` — and only the
-//!   notification frame crosses the socket. The control thread watches the socket for
+//!   AVX-512/AVX2 non-temporal stores for blocks ≥ `nt_threshold`; with `copy_threads` > 1,
+//!   transfers of 1 MiB and more are split into byte ranges copied by that many threads at
+//!   once — and only the notification frame crosses the socket. The control thread watches the socket for
 //!   hang-up, which turns a dead peer into `RemoteGone`.
-//! * **tcp** (any host): one io_uring thread per agent drives all connections, as initiator
-//!   and target. Frames ([`wire`]) are pipelined: many transfers in flight per connection,
+//! * **tcp** (any host): `tcp_threads` io_uring threads per agent (default 1) drive the
+//!   connections, as initiator and target; with more than one, an initiator holds one
+//!   connection per thread to each remote and posts transfers to them in turn. Frames ([`wire`]) are pipelined: many transfers in flight per connection,
 //!   sends batched into one `sendmsg` per up to 64 frames, payloads received by one
 //!   `recvmsg(MSG_WAITALL)` straight into the registered region, no staging copy beyond a
 //!   4 KiB header read. Zero-copy send (`SENDMSG_ZC`) is used only where it pays: with

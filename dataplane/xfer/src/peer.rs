@@ -28,6 +28,8 @@ pub struct PeerConfig {
     pub hugepages: HugePages,
     /// Fill memory regions with [`pattern`] for this seed.
     pub fill_seed: Option<u64>,
+    /// io_uring engine threads ([`AgentConfig::tcp_threads`]).
+    pub tcp_threads: usize,
 }
 
 impl PeerConfig {
@@ -40,6 +42,7 @@ impl PeerConfig {
             tcp_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             hugepages: HugePages::Auto,
             fill_seed: None,
+            tcp_threads: 1,
         }
     }
 }
@@ -84,6 +87,7 @@ pub fn start(cfg: &PeerConfig, out: &mut impl Write) -> Result<Agent> {
     let mut ac = AgentConfig::new(cfg.name.clone());
     ac.tcp_listen = Some(cfg.tcp_listen);
     ac.hugepages = cfg.hugepages;
+    ac.tcp_threads = cfg.tcp_threads;
     let agent = Agent::new(ac)?;
     for &len in &cfg.mem {
         let r = agent.alloc_mem(len)?;

@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::agent::{Prepped, Shared};
-use crate::copy::copy_block;
+use crate::copy::{copy_block_unfenced, store_fence};
 use crate::desc::Op;
 use crate::error::{Result, XferError};
 use crate::meta::AgentMetadata;
@@ -552,6 +552,7 @@ fn copy_range(
             continue;
         }
         if cancelled() {
+            store_fence();
             return false;
         }
         let (dst, src) = match op {
@@ -564,8 +565,11 @@ fn copy_range(
         // (the copy threads exit before its tables drop); local and peer mappings are
         // distinct and prep rejects overlapping ranges of a self-transfer; helpers copy
         // disjoint byte ranges.
-        unsafe { copy_block(dst, src, b - a, nt) };
+        unsafe { copy_block_unfenced(dst, src, b - a, nt) };
     }
+    // One fence for the whole range: its streaming stores are ordered before the completion
+    // (or the helper's "done") that announces them.
+    store_fence();
     true
 }
 

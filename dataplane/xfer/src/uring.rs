@@ -1,5 +1,9 @@
-//! The io_uring engine: one thread per agent driving TCP connections (both as initiator and
-//! as target) and O_DIRECT file I/O on registered buffers and fixed files.
+//! The io_uring engines: `tcp_threads` threads per agent (default 1), each with its own ring,
+//! driving TCP connections (both as initiator and as target); the first also does O_DIRECT
+//! file I/O on registered buffers and fixed files and accepts connections, handing every
+//! other one to the next engine in turn. An initiator opens one connection per engine to each
+//! remote and posts transfers to the engines in turn, so that on two cores both ends of a
+//! stream run in parallel (the kernel copies a connection's bytes in the thread driving it).
 //!
 //! TCP framing is in [`crate::wire`]. Per connection at most one receive and one send are in
 //! flight, which keeps the byte stream ordered while many transfers are pipelined on it:
@@ -268,6 +272,10 @@ impl Conn {
 
 struct Engine {
     sh: Arc<Shared>,
+    /// This engine's index; engine 0 owns the listener and the file work.
+    id: usize,
+    /// Connections accepted so far (engine 0), for spreading them over the engines.
+    accepted: usize,
     ring: IoUring,
     rx: Receiver<UJob>,
     listener: Option<TcpListener>,
@@ -285,22 +293,23 @@ struct Engine {
     txq_cap: usize,
 }
 
-/// Start the engine thread. The ring is created inside it (single issuer).
-pub(crate) fn start(sh: Arc<Shared>) -> Result<(SyncSender<UJob>, JoinHandle<()>)> {
+/// Start engine `id`'s thread. The ring is created inside it (single issuer). Engine 0 binds
+/// the agent's TCP listener.
+pub(crate) fn start(sh: Arc<Shared>, id: usize) -> Result<(SyncSender<UJob>, JoinHandle<()>)> {
     let (tx, rx) = std::sync::mpsc::sync_channel(sh.slots.capacity() + 64);
     let listener = match sh.cfg.tcp_listen {
-        Some(a) => {
+        Some(a) if id == 0 => {
             let l = TcpListener::bind(a).map_err(|e| XferError::io("bind tcp", &e))?;
             *sh.tcp_addr.lock().unwrap_or_else(|p| p.into_inner()) =
                 Some(l.local_addr().map_err(|e| XferError::io("local_addr", &e))?);
             Some(l)
         }
-        None => None,
+        _ => None,
     };
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
     let th = std::thread::Builder::new()
-        .name(format!("xfer-uring-{}", sh.name))
-        .spawn(move || match Engine::new(sh, rx, listener) {
+        .name(format!("xfer-uring-{}-{id}", sh.name))
+        .spawn(move || match Engine::new(sh, id, rx, listener) {
             Ok(mut e) => {
                 let _ = ready_tx.send(Ok(()));
                 e.run();
@@ -315,7 +324,12 @@ pub(crate) fn start(sh: Arc<Shared>) -> Result<(SyncSender<UJob>, JoinHandle<()>
 }
 
 impl Engine {
-    fn new(sh: Arc<Shared>, rx: Receiver<UJob>, listener: Option<TcpListener>) -> Result<Engine> {
+    fn new(
+        sh: Arc<Shared>,
+        id: usize,
+        rx: Receiver<UJob>,
+        listener: Option<TcpListener>,
+    ) -> Result<Engine> {
         let entries = sh.cfg.ring_entries.clamp(16, 4096);
         let ring = IoUring::builder()
             .setup_single_issuer()
@@ -346,6 +360,8 @@ impl Engine {
         Ok(Engine {
             txq_cap: cap + TXQ_TARGET,
             sh,
+            id,
+            accepted: 0,
             ring,
             rx,
             listener,
@@ -388,16 +404,17 @@ impl Engine {
                     }
                 }
             }
+            self.take_handoff();
             self.pump_files();
             if self.sh.shutdown.load(Ordering::SeqCst) {
                 self.shutdown();
                 return;
             }
             // Sleep until a completion, a wake or the tick.
-            self.sh.uring_sleeping.store(true, Ordering::SeqCst);
+            self.sh.uring_sleeping[self.id].store(true, Ordering::SeqCst);
             let has_job = match self.rx.try_recv() {
                 Ok(j) => {
-                    self.sh.uring_sleeping.store(false, Ordering::SeqCst);
+                    self.sh.uring_sleeping[self.id].store(false, Ordering::SeqCst);
                     self.job(j);
                     true
                 }
@@ -407,7 +424,7 @@ impl Engine {
                 let ts = types::Timespec::from(Duration::from_millis(100));
                 let args = types::SubmitArgs::new().timespec(&ts);
                 let _ = self.ring.submitter().submit_with_args(1, &args);
-                self.sh.uring_sleeping.store(false, Ordering::SeqCst);
+                self.sh.uring_sleeping[self.id].store(false, Ordering::SeqCst);
             } else {
                 let _ = self.ring.submit();
             }
@@ -442,9 +459,23 @@ impl Engine {
         }
     }
 
+    /// Serve the connections engine 0 accepted for this engine.
+    fn take_handoff(&mut self) {
+        if self.id == 0 {
+            return;
+        }
+        let fds: Vec<OwnedFd> = match self.sh.handoff[self.id].try_lock() {
+            Ok(mut v) if !v.is_empty() => v.drain(..).collect(),
+            _ => return,
+        };
+        for fd in fds {
+            let _ = self.add_conn(fd, None, Arc::from("?"));
+        }
+    }
+
     fn arm_wake(&mut self) {
         let p = (&raw mut *self.wake_buf).cast::<u8>();
-        let e = opcode::Read::new(types::Fd(self.sh.uring_wake.as_raw_fd()), p, 8)
+        let e = opcode::Read::new(types::Fd(self.sh.uring_wake[self.id].as_raw_fd()), p, 8)
             .build()
             .user_data(ud(TAG_WAKE, 0, 0));
         self.push(e);
@@ -578,11 +609,9 @@ impl Engine {
         }
         let backend = prep.inner.backend;
         let conn = if backend == crate::agent::Backend::Tcp {
-            let c = self
-                .sh
-                .remote(prep.inner.remote)
-                .ok()
-                .and_then(|r| *r.tcp.lock().unwrap_or_else(|p| p.into_inner()));
+            let c = self.sh.remote(prep.inner.remote).ok().and_then(|r| {
+                r.tcp.lock().unwrap_or_else(|p| p.into_inner()).get(self.id).copied()
+            });
             match c {
                 Some(c) if self.conn_ok(c) => c.idx,
                 _ => {
@@ -755,7 +784,15 @@ impl Engine {
                     // SAFETY: a successful accept returns a fresh fd we now own.
                     let fd = unsafe { OwnedFd::from_raw_fd(res) };
                     let _ = set_nodelay(fd.as_raw_fd());
-                    let _ = self.add_conn(fd, None, Arc::from("?"));
+                    // Spread accepted connections over the engines in turn.
+                    let to = self.accepted % self.sh.handoff.len().max(1);
+                    self.accepted = self.accepted.wrapping_add(1);
+                    if to == self.id {
+                        let _ = self.add_conn(fd, None, Arc::from("?"));
+                    } else {
+                        self.sh.handoff[to].lock().unwrap_or_else(|p| p.into_inner()).push(fd);
+                        crate::agent::wake(&self.sh.uring_wake[to]);
+                    }
                 }
                 if !self.sh.shutdown.load(Ordering::SeqCst) {
                     self.arm_accept();
@@ -1149,8 +1186,21 @@ impl Engine {
 
     fn kick_tx(&mut self, ci: u32) {
         let sh = self.sh.clone();
+        // Transfers cancelled while they waited in the queue end here, unsent.
+        loop {
+            let Some(Some(c)) = self.conns.get_mut(ci as usize) else { return };
+            if c.dead || c.tx_busy {
+                return;
+            }
+            let Some(&Tx::Req { slot }) = c.txq.front() else { break };
+            if !sh.slots.cancel_requested(slot, self.xs[slot as usize].seq) {
+                break;
+            }
+            c.txq.pop_front();
+            self.finish(slot, Err(XferError::Cancelled));
+        }
         let Some(Some(c)) = self.conns.get_mut(ci as usize) else { return };
-        if c.dead || c.tx_busy || c.txq.is_empty() {
+        if c.txq.is_empty() {
             return;
         }
         c.tx_batch.clear();
@@ -1162,6 +1212,9 @@ impl Engine {
             let need = match t {
                 Tx::Req { slot } => {
                     let x = &self.xs[slot as usize];
+                    if !c.tx_batch.is_empty() && sh.slots.cancel_requested(slot, x.seq) {
+                        break; // purged at the front of the next batch
+                    }
                     let p = x.prep.as_ref().map_or(0, |p| p.inner.local.len());
                     3 + if x.op == Op::Write { p } else { 0 }
                 }

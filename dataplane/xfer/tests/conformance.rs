@@ -53,12 +53,15 @@ thread_local! {
     static ZC: std::cell::Cell<ZeroCopy> = const { std::cell::Cell::new(ZeroCopy::Auto) };
     /// Copy threads of the shm backend for agents built by this test thread.
     static COPY_THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
+    /// io_uring engines (TCP connections per remote) for agents built by this test thread.
+    static TCP_THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
 }
 
 fn base_cfg(name: &str) -> AgentConfig {
     let mut c = AgentConfig::new(name);
     c.tcp_zero_copy = ZC.with(|z| z.get());
     c.copy_threads = COPY_THREADS.with(|t| t.get());
+    c.tcp_threads = TCP_THREADS.with(|t| t.get());
     c
 }
 
@@ -298,6 +301,7 @@ fn cancel_before_start(backend: Backend) {
         .unwrap();
     let hs: Vec<_> = (0..64).map(|_| fx.a.post(Op::Write, &p, b"").unwrap()).collect();
     let cancelled: Vec<bool> = hs.iter().rev().map(|h| h.cancel()).collect();
+    let mut ended_cancelled = 0;
     for (h, c) in hs.iter().rev().zip(&cancelled) {
         let r = h.wait(WAIT);
         if *c {
@@ -305,8 +309,11 @@ fn cancel_before_start(backend: Backend) {
         } else {
             assert!(matches!(r, Ok(()) | Err(XferError::Cancelled)), "{backend:?}: {r:?}");
         }
+        ended_cancelled += usize::from(r == Err(XferError::Cancelled));
     }
-    assert!(cancelled.iter().any(|c| *c), "{backend:?}: queued transfers can be cancelled");
+    // Cancelled at once while queued for the engine, or (TCP) while waiting behind 60 MiB
+    // in the connection's send queue: either way most of the 64 never move.
+    assert!(ended_cancelled > 0, "{backend:?}: queued transfers can be cancelled");
     // The agent still works afterwards.
     fx.run(Op::Write, &[Desc::new(fx.local, 0, block)], &[Desc::new(fx.target, 0, block)], b"")
         .unwrap();
@@ -572,6 +579,57 @@ mod shm_split_copy {
     fn peer_killed() {
         three();
         peer_killed_mid_transfer(Backend::Shm)
+    }
+}
+
+/// The TCP suite again with two io_uring engines on each side: two connections per remote,
+/// transfers alternating between them, accepted connections handed from engine 0 to 1. The
+/// file suite runs on the first engine of such an agent.
+mod tcp_two_engines {
+    use super::*;
+    fn two() {
+        TCP_THREADS.with(|t| t.set(2));
+    }
+    #[test]
+    fn random_lists() {
+        two();
+        random_lists_verified_byte_for_byte(Backend::Tcp)
+    }
+    #[test]
+    fn out_of_bounds() {
+        two();
+        out_of_bounds_rejected(Backend::Tcp)
+    }
+    #[test]
+    fn many_in_flight_any_order() {
+        two();
+        many_in_flight_complete_in_any_order(Backend::Tcp)
+    }
+    #[test]
+    fn cancel() {
+        two();
+        cancel_before_start(Backend::Tcp)
+    }
+    #[test]
+    fn cross_process() {
+        two();
+        cross_process_round_trip(Backend::Tcp)
+    }
+    #[test]
+    fn peer_killed() {
+        two();
+        peer_killed_mid_transfer(Backend::Tcp)
+    }
+    #[test]
+    fn notif_back_pressure() {
+        two();
+        notifications_back_pressure_not_loss(Backend::Tcp)
+    }
+    #[test]
+    fn files_on_the_first_engine() {
+        two();
+        random_lists_verified_byte_for_byte(Backend::File);
+        many_in_flight_complete_in_any_order(Backend::File)
     }
 }
 

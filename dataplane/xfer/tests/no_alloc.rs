@@ -1,6 +1,6 @@
 //! The steady-state transfer path does not allocate: after a warm-up, posting and completing
-//! 3000 prepped transfers (12000 blocks) on every backend, and 3000 split between two copy
-//! threads, every agent's engines included,
+//! 3000 prepped transfers (12000 blocks) on every backend, 3000 split between two copy
+//! threads and 3000 alternating between two io_uring engines, every agent's engines included,
 //! performs no per-transfer or per-block heap allocation. Counted with a global allocator; this binary holds a single test so no other
 //! test's allocations are counted.
 
@@ -68,11 +68,18 @@ fn steady_state_transfers_do_not_allocate() {
     let lc = c.alloc_mem(4 << 20).unwrap();
     let rid_c = c.add_remote(&b.metadata()).unwrap();
     let big = |r| (0..16).map(|i| Desc::new(r, i * 65536, 65536)).collect::<Vec<_>>();
+    // A fourth with two io_uring engines: its TCP transfers alternate between two connections.
+    let mut dc = AgentConfig::new("d");
+    dc.tcp_threads = 2;
+    let d = Agent::new(dc).unwrap();
+    let ld = d.alloc_mem(4 << 20).unwrap();
+    let rid_d = d.add_remote(&b.metadata()).unwrap();
     let cases = [
         (&a, Backend::Shm, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Shm)).unwrap()),
         (&a, Backend::Tcp, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Tcp)).unwrap()),
         (&a, Backend::File, a.prep(me, &descs(la), &descs(fa), Some(Backend::File)).unwrap()),
         (&c, Backend::Shm, c.prep(rid_c, &big(lc), &big(rb), Some(Backend::Shm)).unwrap()),
+        (&d, Backend::Tcp, d.prep(rid_d, &descs(ld), &descs(rb), Some(Backend::Tcp)).unwrap()),
     ];
     let mut sink = Vec::with_capacity(10_000);
     for (agent, backend, p) in &cases {

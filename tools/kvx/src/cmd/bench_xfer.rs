@@ -60,6 +60,10 @@ pub(crate) struct XferArgs {
     /// across them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     copy_threads: u16,
+    /// io_uring threads on each side (tcp): each drives its own connection, transfers take
+    /// them in turn.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    tcp_threads: u16,
     /// Send a notification with every transfer.
     #[arg(long)]
     notify: bool,
@@ -106,10 +110,15 @@ impl Drop for SpawnedPeer {
     }
 }
 
-fn spawn_peer(pool: u64, no_huge: bool) -> anyhow::Result<(SpawnedPeer, AgentMetadata)> {
+fn spawn_peer(
+    pool: u64,
+    no_huge: bool,
+    tcp_threads: u16,
+) -> anyhow::Result<(SpawnedPeer, AgentMetadata)> {
     let exe = std::env::current_exe().context("locating the kvx binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(["bench", "xfer", "--serve-peer", "--peer-mem", &pool.to_string()]);
+    cmd.args(["--tcp-threads", &tcp_threads.to_string()]);
     if no_huge {
         cmd.arg("--no-huge");
     }
@@ -134,6 +143,7 @@ pub(crate) fn run(a: XferArgs) -> anyhow::Result<()> {
         cfg.mem = vec![a.peer_mem.unwrap_or(pool)];
         cfg.tcp_listen = a.listen;
         cfg.hugepages = hugepages;
+        cfg.tcp_threads = usize::from(a.tcp_threads);
         kvx_xfer::peer::serve_until_stdin_eof(&cfg)?;
         return Ok(());
     }
@@ -157,6 +167,7 @@ pub(crate) fn run(a: XferArgs) -> anyhow::Result<()> {
         hugepages,
         nt_threshold: usize::try_from(a.nt_threshold).unwrap_or(usize::MAX),
         copy_threads: usize::from(a.copy_threads),
+        tcp_threads: usize::from(a.tcp_threads),
         file: file.clone(),
         notify: a.notify,
         zero_copy: match a.zero_copy.as_str() {
@@ -170,7 +181,7 @@ pub(crate) fn run(a: XferArgs) -> anyhow::Result<()> {
         (Backend::File, _) => None,
         (_, Some(addr)) => Some(Agent::fetch_metadata(addr, Duration::from_secs(5))?),
         _ => {
-            let (p, md) = spawn_peer(pool, a.no_huge)?;
+            let (p, md) = spawn_peer(pool, a.no_huge, a.tcp_threads)?;
             _peer = Some(p);
             Some(md)
         }
