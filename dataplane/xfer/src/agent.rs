@@ -84,8 +84,8 @@ pub struct AgentConfig {
     pub hugepages: HugePages,
     /// Blocks at least this large are copied with non-temporal stores on the shm path.
     pub nt_threshold: usize,
-    /// Threads that copy shm transfers (1 = the copy thread alone). With more, a transfer of
-    /// at least [`crate::shm::SPLIT_MIN`] bytes is split into equal byte ranges copied at once.
+    /// Threads that copy shm transfers (at least 1). They take whole transfers from one queue,
+    /// so with several in flight that many stream at once.
     pub copy_threads: usize,
     /// io_uring engine threads (at least 1). Each has its own ring and its own connection to
     /// every TCP remote, and transfers to a remote take those connections in turn, so that
@@ -394,9 +394,9 @@ impl Agent {
             agent.uring_tx.push(utx);
             agent.threads.push(uth);
         }
-        let (stx, sth) = shm::start_copier(shared.clone())?;
+        let (stx, sth) = shm::start_copier(&shared)?;
         agent.shm_tx = Some(stx);
-        agent.threads.push(sth);
+        agent.threads.extend(sth);
         if let Some(name) = &shared.unix_name {
             let listener = shm::listen(name)?;
             let th = shm::start_control(shared.clone(), listener)?;

@@ -23,9 +23,9 @@
 //! * **shm** (same host): on `add_remote` the initiator connects the peer's abstract Unix
 //!   socket, receives its region fds by `SCM_RIGHTS` and maps every memory region once.
 //!   A transfer is a copy in the initiator's copy thread — `memcpy` for small blocks,
-//!   AVX-512/AVX2 non-temporal stores for blocks ≥ `nt_threshold`; with `copy_threads` > 1,
-//!   transfers of 1 MiB and more are split into byte ranges copied by that many threads at
-//!   once — and only the notification frame crosses the socket. The control thread watches the socket for
+//!   AVX-512/AVX2 non-temporal stores for blocks ≥ `nt_threshold`, one store fence per
+//!   transfer; with `copy_threads` > 1 that many threads take whole transfers from one queue
+//!   — and only the notification frame crosses the socket. The control thread watches the socket for
 //!   hang-up, which turns a dead peer into `RemoteGone`.
 //! * **tcp** (any host): `tcp_threads` io_uring threads per agent (default 1) drive the
 //!   connections, as initiator and target; with more than one, an initiator holds one

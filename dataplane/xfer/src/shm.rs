@@ -470,87 +470,44 @@ pub(crate) struct ShmJob {
     pub(crate) notif: NotifBuf,
 }
 
-/// Transfers at least this large are split across the copy threads (when there are several).
-pub const SPLIT_MIN: usize = 1 << 20;
-/// Split points are rounded to this many bytes, so streaming stores stay line-aligned.
-const SPLIT_ALIGN: usize = 4096;
-
-/// A byte range `[from, to)` of one transfer, handed to a copy helper.
-struct Part {
-    prep: Prepped,
-    op: Op,
-    from: usize,
-    to: usize,
-}
-
-/// A helper thread's two channels: its part, and its "done" back.
-struct Helper {
-    tx: SyncSender<Part>,
-    done: Receiver<()>,
-}
-
-/// Start the copy thread with a bounded job queue (one entry per transfer slot), and its
-/// `copy_threads - 1` helpers.
-pub(crate) fn start_copier(sh: Arc<Shared>) -> Result<(SyncSender<ShmJob>, JoinHandle<()>)> {
+/// Start the copy threads (`copy_threads`, at least one) with one bounded job queue (one
+/// entry per transfer slot) they all take whole transfers from: with several transfers in
+/// flight each thread streams its own, with no hand-off inside a transfer.
+pub(crate) fn start_copier(sh: &Arc<Shared>) -> Result<(SyncSender<ShmJob>, Vec<JoinHandle<()>>)> {
     let (tx, rx) = std::sync::mpsc::sync_channel(sh.slots.capacity());
-    let mut helpers = Vec::new();
-    for i in 1..sh.cfg.copy_threads.max(1) {
-        let (ptx, prx) = std::sync::mpsc::sync_channel::<Part>(1);
-        let (dtx, drx) = std::sync::mpsc::sync_channel::<()>(1);
-        let nt = sh.cfg.nt_threshold;
-        // The helper exits when the copy thread drops its sender (agent shutdown).
-        std::thread::Builder::new()
-            .name(format!("xfer-copy-{}-{i}", sh.name))
-            .spawn(move || {
-                while let Ok(part) = prx.recv() {
-                    copy_range(&part.prep, part.op, part.from, part.to, nt, || false);
-                    if dtx.send(()).is_err() {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| XferError::io("spawn", &e))?;
-        helpers.push(Helper { tx: ptx, done: drx });
+    let rx = Arc::new(Mutex::new(rx));
+    let mut threads = Vec::new();
+    for i in 0..sh.cfg.copy_threads.max(1) {
+        let sh = sh.clone();
+        let rx = rx.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("xfer-copy-{}-{i}", sh.name))
+                .spawn(move || copier(&sh, &rx))
+                .map_err(|e| XferError::io("spawn", &e))?,
+        );
     }
-    let th = std::thread::Builder::new()
-        .name(format!("xfer-copy-{}", sh.name))
-        .spawn(move || copier(&sh, &rx, &helpers))
-        .map_err(|e| XferError::io("spawn", &e))?;
-    Ok((tx, th))
+    Ok((tx, threads))
 }
 
-fn copier(sh: &Shared, rx: &Receiver<ShmJob>, helpers: &[Helper]) {
-    while let Ok(job) = rx.recv() {
+/// One copy thread: take the next transfer (the queue's lock is held only while waiting for
+/// it), copy it, complete it. Exits when the agent drops the queue.
+fn copier(sh: &Shared, rx: &Mutex<Receiver<ShmJob>>) {
+    loop {
+        let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+        let Ok(job) = job else { return };
         if !sh.slots.start(job.idx, job.seq) {
             continue;
         }
-        let res = run_copy(sh, &job, helpers);
+        let res = run_copy(sh, &job);
         sh.slots.complete(job.idx, job.seq, res);
     }
 }
 
-/// Copy the bytes `[from, to)` of a transfer (offsets into its concatenated segments).
-/// Returns false when `cancelled` said stop between two segments.
-fn copy_range(
-    prep: &Prepped,
-    op: Op,
-    from: usize,
-    to: usize,
-    nt: usize,
-    cancelled: impl Fn() -> bool,
-) -> bool {
+/// Copy every segment of a transfer; false when `cancelled` said stop between two.
+fn copy_segments(prep: &Prepped, op: Op, nt: usize, cancelled: impl Fn() -> bool) -> bool {
     let p = &prep.inner;
-    let mut at = 0;
     for (l, r) in p.local.iter().zip(p.remote_mem.iter()) {
-        let len = l.len;
-        let (a, b) = (from.max(at), to.min(at + len));
-        at += len;
-        if a >= b {
-            if at >= to {
-                break;
-            }
-            continue;
-        }
         if cancelled() {
             store_fence();
             return false;
@@ -559,60 +516,25 @@ fn copy_range(
             Op::Write => (r.ptr, l.ptr.cast_const()),
             Op::Read => (l.ptr, r.ptr.cast_const()),
         };
-        let off = a + len - at;
-        let (dst, src) = (dst.wrapping_add(off), src.wrapping_add(off));
-        // SAFETY: `off + (b - a) <= len` for both segments, which live as long as the agent
-        // (the copy threads exit before its tables drop); local and peer mappings are
-        // distinct and prep rejects overlapping ranges of a self-transfer; helpers copy
-        // disjoint byte ranges.
-        unsafe { copy_block_unfenced(dst, src, b - a, nt) };
+        // SAFETY: both segments were bounds-checked at prep time against mappings that live
+        // as long as the agent (held through `sh` by every copy thread); local and peer
+        // mappings are distinct, and prep rejects overlapping ranges of a self-transfer.
+        unsafe { copy_block_unfenced(dst, src, l.len, nt) };
     }
-    // One fence for the whole range: its streaming stores are ordered before the completion
-    // (or the helper's "done") that announces them.
+    // One fence for the whole transfer: its streaming stores are ordered before the
+    // completion and the notification that announce them.
     store_fence();
     true
 }
 
-fn run_copy(sh: &Shared, job: &ShmJob, helpers: &[Helper]) -> Result<()> {
+fn run_copy(sh: &Shared, job: &ShmJob) -> Result<()> {
     let p = &job.prep.inner;
     let rem = sh.remote(p.remote)?;
     if !rem.alive.load(Ordering::Acquire) {
         return Err(rem.gone());
     }
-    let nt = sh.cfg.nt_threshold;
     let cancelled = || sh.slots.cancel_requested(job.idx, job.seq);
-    // Split a large transfer into equal, page-aligned byte ranges: the helpers take the
-    // later ones, this thread the first; all are done before completion is reported.
-    let total = to_usize(p.total)?;
-    let parts = if total >= SPLIT_MIN { helpers.len() + 1 } else { 1 };
-    let share = (total / parts).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
-    let mut handed = 0;
-    for (i, h) in helpers.iter().enumerate().take(parts - 1) {
-        let from = share * (i + 1);
-        if from >= total {
-            break;
-        }
-        let to = (from + share).min(total);
-        let part = Part { prep: job.prep.clone(), op: job.op, from, to };
-        if h.tx.send(part).is_err() {
-            break;
-        }
-        handed += 1;
-    }
-    let own_to = if handed == 0 { total } else { share.min(total) };
-    let mut done = copy_range(&job.prep, job.op, 0, own_to, nt, cancelled);
-    let rest = share * (handed + 1);
-    if handed > 0 && rest < total && handed < parts - 1 {
-        // A helper is gone (they do not panic, but be safe): copy what it would have.
-        done &= copy_range(&job.prep, job.op, rest, total, nt, cancelled);
-    }
-    for h in &helpers[..handed] {
-        // A helper that vanished mid-part leaves its range unknown: fail the transfer.
-        if h.done.recv().is_err() {
-            return Err(XferError::Unsupported("a copy thread exited"));
-        }
-    }
-    if !done {
+    if !copy_segments(&job.prep, job.op, sh.cfg.nt_threshold, cancelled) {
         return Err(XferError::Cancelled);
     }
     std::sync::atomic::fence(Ordering::SeqCst);

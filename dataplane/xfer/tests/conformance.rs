@@ -547,9 +547,9 @@ mod tcp_zero_copy {
     }
 }
 
-/// The shm suite again with three copy threads: transfers of 1 MiB and more are split into
-/// byte ranges that start and end inside segments.
-mod shm_split_copy {
+/// The shm suite again with three copy threads taking transfers from one queue: many in
+/// flight run at once and complete in any order.
+mod shm_copy_threads {
     use super::*;
     fn three() {
         COPY_THREADS.with(|t| t.set(3));
@@ -562,7 +562,7 @@ mod shm_split_copy {
     #[test]
     fn large_random_lists() {
         three();
-        // Up to 18 ranges of up to 200,000 bytes: most transfers are split, at odd offsets.
+        // Up to 18 ranges of up to 200,000 bytes at odd offsets and lengths.
         random_lists_with(Backend::Shm, 18, 200_000, 16)
     }
     #[test]

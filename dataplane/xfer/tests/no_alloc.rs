@@ -1,6 +1,6 @@
 //! The steady-state transfer path does not allocate: after a warm-up, posting and completing
-//! 3000 prepped transfers (12000 blocks) on every backend, 3000 split between two copy
-//! threads and 3000 alternating between two io_uring engines, every agent's engines included,
+//! 3000 prepped transfers (12000 blocks) on every backend, 3000 through two copy threads
+//! and 3000 alternating between two io_uring engines, every agent's engines included,
 //! performs no per-transfer or per-block heap allocation. Counted with a global allocator; this binary holds a single test so no other
 //! test's allocations are counted.
 
@@ -61,7 +61,7 @@ fn steady_state_transfers_do_not_allocate() {
     let rid = a.add_remote(&b.metadata()).unwrap();
     let me = a.add_remote(&a.metadata()).unwrap();
     let descs = |r| (0..4).map(|i| Desc::new(r, i * 65536, 65536)).collect::<Vec<_>>();
-    // A third agent copying with two threads: its 1 MiB transfers are split between them.
+    // A third agent with two copy threads taking its 1 MiB transfers in parallel.
     let mut cc = AgentConfig::new("c");
     cc.copy_threads = 2;
     let c = Agent::new(cc).unwrap();

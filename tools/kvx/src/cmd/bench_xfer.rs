@@ -56,8 +56,8 @@ pub(crate) struct XferArgs {
     /// Blocks at least this large are copied with non-temporal stores (shm).
     #[arg(long, default_value = "64K", value_parser = parse_size)]
     nt_threshold: u64,
-    /// Threads copying shm transfers; with more than one, transfers of 1 MiB and up are split
-    /// across them.
+    /// Threads copying shm transfers; each takes whole transfers, so with several in flight
+    /// that many stream at once.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     copy_threads: u16,
     /// io_uring threads on each side (tcp): each drives its own connection, transfers take
