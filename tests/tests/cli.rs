@@ -1,5 +1,5 @@
 //! The `kvx` command line: tokenize against llama.cpp, generate's JSON shape and errors,
-//! the model store commands.
+//! the model store commands, `kvx bench xfer` on every backend.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -136,4 +136,55 @@ fn model_store_commands() {
     assert!(std::path::Path::new(path.trim()).is_file(), "{path}");
     let verify = kvx_ok(&["model", "verify"]);
     assert!(verify.contains("ok"), "{verify}");
+}
+
+#[test]
+fn bench_xfer_runs_every_backend_and_reports_json() {
+    // In the target directory: O_DIRECT needs a real file system (tmpfs refuses it).
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let file = dir.join(format!("kvx-bench-xfer-e2e-{}", std::process::id()));
+    let file_arg = file.to_str().expect("path").to_owned();
+    let cases: [&[&str]; 4] = [
+        &["--backend", "shm", "--copy-threads", "2"],
+        &["--backend", "tcp", "--tcp-threads", "2"],
+        &["--backend", "tcp", "--op", "read"],
+        &["--backend", "file", "--file", &file_arg],
+    ];
+    for extra in cases {
+        let mut args = vec![
+            "bench",
+            "xfer",
+            "--json",
+            "--secs",
+            "0.3",
+            "--warmup",
+            "0",
+            "--block-size",
+            "64K",
+            "--blocks",
+            "64",
+            "--batch",
+            "4",
+            "--inflight",
+            "4",
+        ];
+        args.extend_from_slice(extra);
+        let line = kvx_ok(&args);
+        let v: serde_json::Value = serde_json::from_str(line.trim()).expect("one JSON object");
+        assert!(v["transfers"].as_u64().expect("transfers") > 0, "{extra:?}: {v}");
+        assert!(v["gbps"].as_f64().expect("gbps") > 0.0, "{extra:?}: {v}");
+        assert_eq!(v["bytes"].as_u64(), Some(v["transfers"].as_u64().unwrap() * 4 * 65536));
+        assert_eq!(v["backend"], extra[1], "{v}");
+        if extra.contains(&"--copy-threads") {
+            assert_eq!(v["copy_threads"], 2, "{v}");
+        }
+        if extra.contains(&"--tcp-threads") {
+            assert_eq!(v["tcp_threads"], 2, "{v}");
+        }
+    }
+    let _ = std::fs::remove_file(&file);
+    // Shapes that cannot work are refused with a reason, not run.
+    let out = kvx(&["bench", "xfer", "--batch", "8", "--blocks", "4", "--secs", "0.1"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("blocks >= batch"), "{out:?}");
 }
