@@ -16,7 +16,7 @@ use crate::desc::{Desc, Op, pair_lengths};
 use crate::error::{Result, XferError};
 use crate::meta::{AgentMetadata, RegionInfo, host_id};
 use crate::region::{self, AppendTable, DIRECT_IO_ALIGN, HugePages, Region, RegionId, RegionKind};
-use crate::shm::{self, LocalPeer, PeerRegion, ShmJob};
+use crate::shm::{self, CopyQueue, LocalPeer, PeerRegion, ShmJob};
 use crate::slots::{Notif, NotifBuf, NotifQueue, SlotTable, XferStatus};
 use crate::uring::{self, UJob};
 
@@ -85,7 +85,8 @@ pub struct AgentConfig {
     /// Blocks at least this large are copied with non-temporal stores on the shm path.
     pub nt_threshold: usize,
     /// Threads that copy shm transfers (at least 1). They take whole transfers from one queue,
-    /// so with several in flight that many stream at once.
+    /// so with several in flight that many stream at once; a transfer of at least
+    /// 1 MiB taken while others wait idle is split between them.
     pub copy_threads: usize,
     /// io_uring engine threads (at least 1). Each has its own ring and its own connection to
     /// every TCP remote, and transfers to a remote take those connections in turn, so that
@@ -347,7 +348,8 @@ impl Drop for XferHandle {
 #[derive(Debug)]
 pub struct Agent {
     shared: Arc<Shared>,
-    shm_tx: Option<SyncSender<ShmJob>>,
+    /// The shm copy threads' queue.
+    copy_q: Option<Arc<CopyQueue>>,
     /// Job queues of the io_uring engines (index = engine).
     uring_tx: Vec<SyncSender<UJob>>,
     /// Engine for the next TCP transfer (round robin).
@@ -384,7 +386,7 @@ impl Agent {
         });
         let mut agent = Agent {
             shared: shared.clone(),
-            shm_tx: None,
+            copy_q: None,
             uring_tx: Vec::with_capacity(engines),
             next_engine: AtomicUsize::new(0),
             threads: vec![],
@@ -394,8 +396,8 @@ impl Agent {
             agent.uring_tx.push(utx);
             agent.threads.push(uth);
         }
-        let (stx, sth) = shm::start_copier(&shared)?;
-        agent.shm_tx = Some(stx);
+        let (cq, sth) = shm::start_copier(&shared)?;
+        agent.copy_q = Some(cq);
         agent.threads.extend(sth);
         if let Some(name) = &shared.unix_name {
             let listener = shm::listen(name)?;
@@ -753,11 +755,8 @@ impl Agent {
         let prep = prepped.clone();
         let sent = match prepped.inner.backend {
             Backend::Shm => {
-                let tx = self.shm_tx.as_ref().ok_or(XferError::Shutdown)?;
-                tx.try_send(ShmJob { idx, seq, op, prep, notif }).map_err(|e| match e {
-                    TrySendError::Full(_) => XferError::Full("copy queue"),
-                    TrySendError::Disconnected(_) => XferError::Shutdown,
-                })
+                let cq = self.copy_q.as_ref().ok_or(XferError::Shutdown)?;
+                cq.push(ShmJob { idx, seq, op, prep, notif })
             }
             Backend::Tcp => {
                 let n = self.uring_tx.len().max(1);
@@ -821,7 +820,9 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shm_tx = None;
+        if let Some(cq) = self.copy_q.take() {
+            cq.close();
+        }
         self.uring_tx.clear();
         for w in &self.shared.uring_wake {
             wake(w);

@@ -7,13 +7,13 @@
 //! notification frame travels, and only when asked for. The control thread watches each such
 //! socket for hang-up, which is how a dead peer turns into `RemoteGone` instead of a hang.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -461,7 +461,7 @@ fn file_len(fd: RawFd) -> Option<u64> {
 }
 
 /// A shared-memory copy job.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct ShmJob {
     pub(crate) idx: u32,
     pub(crate) seq: u32,
@@ -470,44 +470,222 @@ pub(crate) struct ShmJob {
     pub(crate) notif: NotifBuf,
 }
 
-/// Start the copy threads (`copy_threads`, at least one) with one bounded job queue (one
-/// entry per transfer slot) they all take whole transfers from: with several transfers in
-/// flight each thread streams its own, with no hand-off inside a transfer.
-pub(crate) fn start_copier(sh: &Arc<Shared>) -> Result<(SyncSender<ShmJob>, Vec<JoinHandle<()>>)> {
-    let (tx, rx) = std::sync::mpsc::sync_channel(sh.slots.capacity());
-    let rx = Arc::new(Mutex::new(rx));
-    let mut threads = Vec::new();
-    for i in 0..sh.cfg.copy_threads.max(1) {
-        let sh = sh.clone();
-        let rx = rx.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("xfer-copy-{}-{i}", sh.name))
-                .spawn(move || copier(&sh, &rx))
-                .map_err(|e| XferError::io("spawn", &e))?,
-        );
-    }
-    Ok((tx, threads))
+/// Transfers at least this large are split between the copy threads waiting idle when one
+/// takes it (with several in flight nobody waits, and each thread streams its own).
+pub(crate) const SPLIT_MIN: usize = 1 << 20;
+/// Split points are rounded to this many bytes, so streaming stores stay line-aligned.
+const SPLIT_ALIGN: usize = 4096;
+
+/// Work for the copy threads.
+enum Work {
+    /// A whole transfer, posted by the agent.
+    Job(ShmJob),
+    /// Bytes `[from, to)` of a split transfer.
+    Part { job: ShmJob, from: usize, to: usize },
 }
 
-/// One copy thread: take the next transfer (the queue's lock is held only while waiting for
-/// it), copy it, complete it. Exits when the agent drops the queue.
-fn copier(sh: &Shared, rx: &Mutex<Receiver<ShmJob>>) {
+struct Queue {
+    work: VecDeque<Work>,
+    /// Threads waiting for work, and parts queued for them.
+    idle: usize,
+    parts: usize,
+    closed: bool,
+}
+
+/// The copy threads' queue: transfers at the back, parts of split transfers at the front (so
+/// a split transfer finishes first). Its capacity (slots + threads) is reserved up front:
+/// transfers are at most one per slot and parts at most one per idle thread, so pushing
+/// never allocates.
+pub(crate) struct CopyQueue {
+    q: Mutex<Queue>,
+    cv: Condvar,
+    /// Per slot: parts of its transfer still copying, and whether a cancel stopped one.
+    left: Box<[AtomicU32]>,
+    stopped: Box<[AtomicBool]>,
+    threads: usize,
+}
+
+impl std::fmt::Debug for CopyQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CopyQueue({} threads)", self.threads)
+    }
+}
+
+impl CopyQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.q.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queue a transfer for the copy threads.
+    pub(crate) fn push(&self, job: ShmJob) -> Result<()> {
+        let mut g = self.lock();
+        if g.closed {
+            return Err(XferError::Shutdown);
+        }
+        if g.work.len() >= g.work.capacity() {
+            return Err(XferError::Full("copy queue"));
+        }
+        g.work.push_back(Work::Job(job));
+        drop(g);
+        self.cv.notify_one();
+        Ok(())
+    }
+
+    /// Let the copy threads exit once the queue is empty.
+    pub(crate) fn close(&self) {
+        self.lock().closed = true;
+        self.cv.notify_all();
+    }
+}
+
+/// Start the copy threads (`copy_threads`, at least one) on one queue.
+pub(crate) fn start_copier(sh: &Arc<Shared>) -> Result<(Arc<CopyQueue>, Vec<JoinHandle<()>>)> {
+    let threads = sh.cfg.copy_threads.max(1);
+    let slots = sh.slots.capacity();
+    let cq = Arc::new(CopyQueue {
+        q: Mutex::new(Queue {
+            work: VecDeque::with_capacity(slots + threads),
+            idle: 0,
+            parts: 0,
+            closed: false,
+        }),
+        cv: Condvar::new(),
+        left: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+        stopped: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+        threads,
+    });
+    let mut handles = Vec::with_capacity(threads);
+    for i in 0..threads {
+        let (sh, cq2) = (sh.clone(), cq.clone());
+        let h = std::thread::Builder::new()
+            .name(format!("xfer-copy-{}-{i}", sh.name))
+            .spawn(move || copier(&sh, &cq2));
+        match h {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                cq.close();
+                return Err(XferError::io("spawn", &e));
+            }
+        }
+    }
+    Ok((cq, handles))
+}
+
+/// One copy thread: take the next work, copy it; whoever copies the last part of a transfer
+/// completes it. Exits when the queue is closed and empty.
+fn copier(sh: &Shared, cq: &CopyQueue) {
     loop {
-        let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-        let Ok(job) = job else { return };
-        if !sh.slots.start(job.idx, job.seq) {
+        let work = {
+            let mut g = cq.lock();
+            loop {
+                if let Some(w) = g.work.pop_front() {
+                    if matches!(w, Work::Part { .. }) {
+                        g.parts -= 1;
+                    }
+                    break w;
+                }
+                if g.closed {
+                    return;
+                }
+                g.idle += 1;
+                g = cq.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                g.idle -= 1;
+            }
+        };
+        match work {
+            Work::Job(job) => run_job(sh, cq, job),
+            Work::Part { job, from, to } => {
+                let cancelled = || sh.slots.cancel_requested(job.idx, job.seq);
+                let ok = copy_range(&job.prep, job.op, from, to, sh.cfg.nt_threshold, cancelled);
+                part_done(sh, cq, &job, true, ok);
+            }
+        }
+    }
+}
+
+/// Start a transfer: check its peer, split it when threads wait idle, copy this thread's
+/// share.
+fn run_job(sh: &Shared, cq: &CopyQueue, job: ShmJob) {
+    if !sh.slots.start(job.idx, job.seq) {
+        return; // cancelled while queued
+    }
+    let alive = sh
+        .remote(job.prep.inner.remote)
+        .and_then(|rem| if rem.alive.load(Ordering::Acquire) { Ok(()) } else { Err(rem.gone()) });
+    let total = to_usize(job.prep.inner.total);
+    let total = match alive.and(total) {
+        Ok(t) => t,
+        Err(e) => {
+            sh.slots.complete(job.idx, job.seq, Err(e));
+            return;
+        }
+    };
+    // Helpers: threads waiting right now that no queued part is already meant for.
+    let mut extra = 0;
+    let mut share = total;
+    if total >= SPLIT_MIN && cq.threads > 1 {
+        let mut g = cq.lock();
+        extra = g.idle.saturating_sub(g.parts).min(cq.threads - 1);
+        if extra > 0 {
+            share = (total / (extra + 1)).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
+            let parts = (1..=extra).filter(|i| share * i < total).count();
+            extra = parts;
+            let slot = job.idx as usize;
+            cq.left[slot].store(u32::try_from(extra + 1).unwrap_or(u32::MAX), Ordering::Relaxed);
+            cq.stopped[slot].store(false, Ordering::Relaxed);
+            for i in (1..=extra).rev() {
+                let (from, to) = (share * i, (share * (i + 1)).min(total));
+                g.work.push_front(Work::Part { job: job.clone(), from, to });
+            }
+            g.parts += extra;
+        }
+    }
+    for _ in 0..extra {
+        cq.cv.notify_one();
+    }
+    let cancelled = || sh.slots.cancel_requested(job.idx, job.seq);
+    let ok = copy_range(&job.prep, job.op, 0, share.min(total), sh.cfg.nt_threshold, cancelled);
+    part_done(sh, cq, &job, extra > 0, ok);
+}
+
+/// One part (or the whole) of a transfer is copied; the last one completes the transfer.
+fn part_done(sh: &Shared, cq: &CopyQueue, job: &ShmJob, split: bool, ok: bool) {
+    let slot = job.idx as usize;
+    if split {
+        if !ok {
+            cq.stopped[slot].store(true, Ordering::Relaxed);
+        }
+        if cq.left[slot].fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+    }
+    let stopped = !ok || (split && cq.stopped[slot].load(Ordering::Relaxed));
+    let res = if stopped { Err(XferError::Cancelled) } else { announce(sh, job) };
+    sh.slots.complete(job.idx, job.seq, res);
+}
+
+/// Copy the bytes `[from, to)` of a transfer (offsets into its concatenated segments);
+/// false when `cancelled` said stop between two segments.
+fn copy_range(
+    prep: &Prepped,
+    op: Op,
+    from: usize,
+    to: usize,
+    nt: usize,
+    cancelled: impl Fn() -> bool,
+) -> bool {
+    let p = &prep.inner;
+    let mut at = 0;
+    for (l, r) in p.local.iter().zip(p.remote_mem.iter()) {
+        let start = at;
+        at += l.len;
+        let (a, b) = (from.max(start), to.min(at));
+        if a >= b {
+            if at >= to {
+                break;
+            }
             continue;
         }
-        let res = run_copy(sh, &job);
-        sh.slots.complete(job.idx, job.seq, res);
-    }
-}
-
-/// Copy every segment of a transfer; false when `cancelled` said stop between two.
-fn copy_segments(prep: &Prepped, op: Op, nt: usize, cancelled: impl Fn() -> bool) -> bool {
-    let p = &prep.inner;
-    for (l, r) in p.local.iter().zip(p.remote_mem.iter()) {
         if cancelled() {
             store_fence();
             return false;
@@ -516,27 +694,24 @@ fn copy_segments(prep: &Prepped, op: Op, nt: usize, cancelled: impl Fn() -> bool
             Op::Write => (r.ptr, l.ptr.cast_const()),
             Op::Read => (l.ptr, r.ptr.cast_const()),
         };
-        // SAFETY: both segments were bounds-checked at prep time against mappings that live
-        // as long as the agent (held through `sh` by every copy thread); local and peer
-        // mappings are distinct, and prep rejects overlapping ranges of a self-transfer.
-        unsafe { copy_block_unfenced(dst, src, l.len, nt) };
+        let off = a - start;
+        let (dst, src) = (dst.wrapping_add(off), src.wrapping_add(off));
+        // SAFETY: `off + (b - a) <= l.len` in both segments, which were bounds-checked at
+        // prep time against mappings that live as long as the agent (held through `sh` by
+        // every copy thread); local and peer mappings are distinct, prep rejects overlapping
+        // ranges of a self-transfer, and the parts of a split transfer are disjoint.
+        unsafe { copy_block_unfenced(dst, src, b - a, nt) };
     }
-    // One fence for the whole transfer: its streaming stores are ordered before the
-    // completion and the notification that announce them.
+    // One fence per range: its streaming stores are ordered before the count-down or the
+    // completion and notification that announce them.
     store_fence();
     true
 }
 
-fn run_copy(sh: &Shared, job: &ShmJob) -> Result<()> {
-    let p = &job.prep.inner;
-    let rem = sh.remote(p.remote)?;
-    if !rem.alive.load(Ordering::Acquire) {
-        return Err(rem.gone());
-    }
-    let cancelled = || sh.slots.cancel_requested(job.idx, job.seq);
-    if !copy_segments(&job.prep, job.op, sh.cfg.nt_threshold, cancelled) {
-        return Err(XferError::Cancelled);
-    }
+/// After the bytes: the notification (same-host peer or this agent), then the peer's
+/// liveness decides the result.
+fn announce(sh: &Shared, job: &ShmJob) -> Result<()> {
+    let rem = sh.remote(job.prep.inner.remote)?;
     std::sync::atomic::fence(Ordering::SeqCst);
     if job.notif.len > 0 {
         if rem.is_self {
