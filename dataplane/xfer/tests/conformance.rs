@@ -299,7 +299,9 @@ fn cancel_before_start(backend: Backend) {
             Some(backend),
         )
         .unwrap();
-    let hs: Vec<_> = (0..64).map(|_| fx.a.post(Op::Write, &p, b"").unwrap()).collect();
+    // 256 MiB queued: more than the copy threads can move while this thread posts and then
+    // cancels, even when they (three on two cores) crowd it out for a few milliseconds.
+    let hs: Vec<_> = (0..256).map(|_| fx.a.post(Op::Write, &p, b"").unwrap()).collect();
     let cancelled: Vec<bool> = hs.iter().rev().map(|h| h.cancel()).collect();
     let mut ended_cancelled = 0;
     for (h, c) in hs.iter().rev().zip(&cancelled) {
@@ -311,8 +313,8 @@ fn cancel_before_start(backend: Backend) {
         }
         ended_cancelled += usize::from(r == Err(XferError::Cancelled));
     }
-    // Cancelled at once while queued for the engine, or (TCP) while waiting behind 60 MiB
-    // in the connection's send queue: either way most of the 64 never move.
+    // Cancelled at once while queued for the engine, or (TCP) while waiting behind 250 MiB
+    // in the connection's send queue: either way most of them never move.
     assert!(ended_cancelled > 0, "{backend:?}: queued transfers can be cancelled");
     // The agent still works afterwards.
     fx.run(Op::Write, &[Desc::new(fx.local, 0, block)], &[Desc::new(fx.target, 0, block)], b"")
