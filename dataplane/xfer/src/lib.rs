@@ -24,8 +24,9 @@
 //!   socket, receives its region fds by `SCM_RIGHTS` and maps every memory region once.
 //!   A transfer is a copy in the initiator's copy thread — `memcpy` for small blocks,
 //!   AVX-512/AVX2 non-temporal stores for blocks ≥ `nt_threshold`, one store fence per
-//!   transfer; with `copy_threads` > 1 that many threads take whole transfers from one queue
-//!   — and only the notification frame crosses the socket. The control thread watches the socket for
+//!   transfer; with `copy_threads` > 1 that many threads take whole transfers from one queue,
+//!   splitting a transfer of 1 MiB or more between those waiting idle — and only the
+//!   notification frame crosses the socket. The control thread watches the socket for
 //!   hang-up, which turns a dead peer into `RemoteGone`.
 //! * **tcp** (any host): `tcp_threads` io_uring threads per agent (default 1) drive the
 //!   connections, as initiator and target; with more than one, an initiator holds one
