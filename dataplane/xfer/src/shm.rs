@@ -628,8 +628,12 @@ fn run_job(sh: &Shared, cq: &CopyQueue, job: ShmJob) {
         extra = g.idle.saturating_sub(g.parts).min(cq.threads - 1);
         if extra > 0 {
             share = (total / (extra + 1)).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
-            let parts = (1..=extra).filter(|i| share * i < total).count();
-            extra = parts;
+            // Rounding can leave the last helper nothing (never for ≥ 1 MiB and a few
+            // threads, but the ranges must cover the transfer whatever the numbers).
+            extra = (1..=extra).filter(|i| share * i < total).count();
+            if extra == 0 {
+                share = total;
+            }
             let slot = job.idx as usize;
             cq.left[slot].store(u32::try_from(extra + 1).unwrap_or(u32::MAX), Ordering::Relaxed);
             cq.stopped[slot].store(false, Ordering::Relaxed);
