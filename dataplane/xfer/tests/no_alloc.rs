@@ -61,19 +61,20 @@ fn steady_state_transfers_do_not_allocate() {
     let rid = a.add_remote(&b.metadata()).unwrap();
     let me = a.add_remote(&a.metadata()).unwrap();
     let descs = |r| (0..4).map(|i| Desc::new(r, i * 65536, 65536)).collect::<Vec<_>>();
-    // A third agent with two copy threads taking its 1 MiB transfers in parallel.
-    let mut cc = AgentConfig::new("c");
-    cc.copy_threads = 2;
-    let c = Agent::new(cc).unwrap();
-    let lc = c.alloc_mem(4 << 20).unwrap();
-    let rid_c = c.add_remote(&b.metadata()).unwrap();
+    // An initiator with its own configuration, a region and `b` as its remote.
+    let initiator = |name: &str, set: fn(&mut AgentConfig)| {
+        let mut cfg = AgentConfig::new(name);
+        set(&mut cfg);
+        let agent = Agent::new(cfg).unwrap();
+        let region = agent.alloc_mem(4 << 20).unwrap();
+        let remote = agent.add_remote(&b.metadata()).unwrap();
+        (agent, region, remote)
+    };
+    // Two copy threads taking (and splitting) 1 MiB transfers.
+    let (c, lc, rid_c) = initiator("c", |cfg| cfg.copy_threads = 2);
     let big = |r| (0..16).map(|i| Desc::new(r, i * 65536, 65536)).collect::<Vec<_>>();
-    // A fourth with two io_uring engines: its TCP transfers alternate between two connections.
-    let mut dc = AgentConfig::new("d");
-    dc.tcp_threads = 2;
-    let d = Agent::new(dc).unwrap();
-    let ld = d.alloc_mem(4 << 20).unwrap();
-    let rid_d = d.add_remote(&b.metadata()).unwrap();
+    // Two io_uring engines: TCP transfers alternate between two connections.
+    let (d, ld, rid_d) = initiator("d", |cfg| cfg.tcp_threads = 2);
     let cases = [
         (&a, Backend::Shm, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Shm)).unwrap()),
         (&a, Backend::Tcp, a.prep(rid, &descs(la), &descs(rb), Some(Backend::Tcp)).unwrap()),
