@@ -245,13 +245,30 @@ impl Client {
         want_text: bool,
         st: &mut StreamState,
     ) -> Result<(), ErrorClass> {
-        let req =
-            self.request(Method::POST, self.uri.clone(), body).map_err(|()| ErrorClass::Body)?;
-        let resp = self
-            .http
-            .request(req)
-            .await
-            .map_err(|e| if e.is_connect() { ErrorClass::Connect } else { ErrorClass::Body })?;
+        // A kept-alive connection the server closes just as the request goes out (servers
+        // cap requests per connection or idle time) fails without the server having seen the
+        // request: send it once more, on a fresh connection.
+        let mut retried = false;
+        let resp = loop {
+            let req = self
+                .request(Method::POST, self.uri.clone(), body.clone())
+                .map_err(|()| ErrorClass::Body)?;
+            match self.http.request(req).await {
+                Ok(resp) => break resp,
+                Err(e) if !retried && closed_before_response(&e) => {
+                    tracing::debug!(error = ?e, "connection closed before a response; resending");
+                    retried = true;
+                }
+                Err(e) => {
+                    tracing::debug!(error = ?e, "request failed before a response");
+                    return Err(if e.is_connect() {
+                        ErrorClass::Connect
+                    } else {
+                        ErrorClass::Body
+                    });
+                }
+            }
+        };
         let status = resp.status();
         if !status.is_success() {
             return Err(ErrorClass::Http(status.as_u16()));
@@ -267,7 +284,10 @@ impl Client {
         }
         let Scratch { parser, gaps, text } = scratch;
         while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|_| ErrorClass::Body)?;
+            let frame = frame.map_err(|e| {
+                tracing::debug!(error = ?e, "response body failed");
+                ErrorClass::Body
+            })?;
             let Ok(data) = frame.into_data() else { continue };
             let now = Instant::now();
             parser
@@ -281,6 +301,19 @@ impl Client {
         parser.finish(|ev| st.on_event(ev, now, gaps, text, want_text));
         if st.bad { Err(ErrorClass::Stream) } else { Ok(()) }
     }
+}
+
+/// Whether a request failed because the server closed the connection before any response
+/// (hyper's "incomplete message" while sending): the request was not taken up.
+fn closed_before_response(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Progress through one streamed response.

@@ -309,7 +309,7 @@ pub fn matmul_with(
             scratch.acts.resize(need, LaneAct::default());
         }
         let packed = &mut scratch.acts[..need];
-        if !pack_lanes(pool, w.ty, typed_acts(w.act_ty, xq)?, n_tok, nb, packed) {
+        if !pack_lanes(pool, lk.pack, w.ty, typed_acts(w.act_ty, xq)?, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
         let job = LaneJob { w: lw, acts: packed, n_tok, out: &out };
@@ -396,7 +396,7 @@ pub fn matmul_many<const N: usize>(
             s.acts.resize(need, LaneAct::default());
         }
         let packed = &mut s.acts[..need];
-        if !pack_lanes(pool, first.ty, acts, n_tok, nb, packed) {
+        if !pack_lanes(pool, lk.pack, first.ty, acts, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
         let outs = outs.map(DisjointOut::new);
@@ -420,9 +420,10 @@ pub fn matmul_many<const N: usize>(
 /// pool (one extra dispatch) instead of by the caller alone.
 const PARALLEL_PACK_TOKENS: usize = 64;
 
-/// [`crate::cpu::lanes::pack`] with the tokens split over the pool for large steps.
+/// The level's row-lane `pack` with the tokens split over the pool for large steps.
 fn pack_lanes(
     pool: &ThreadPool,
+    pack: crate::cpu::lanes::PackFn,
     ty: GgmlType,
     acts: Acts<'_>,
     n_tok: usize,
@@ -430,16 +431,16 @@ fn pack_lanes(
     dst: &mut [LaneAct],
 ) -> bool {
     if n_tok < PARALLEL_PACK_TOKENS || pool.n_threads() == 1 || dst.len() != n_tok * nb {
-        return crate::cpu::lanes::pack(ty, acts, n_tok, nb, dst);
+        return pack(ty, acts, n_tok, nb, dst);
     }
     let ok = std::sync::atomic::AtomicBool::new(true);
     let out = Disjoint::new(dst);
     let job = |i: usize, n: usize| {
         // Thread `i` writes only the records of its own tokens.
         let r = split_range(n_tok, i, n, 1);
-        let done = acts.blocks(r.start * nb, r.len() * nb).is_some_and(|a| {
-            crate::cpu::lanes::pack(ty, a, r.len(), nb, out.range(r.start * nb, r.len() * nb))
-        });
+        let done = acts
+            .blocks(r.start * nb, r.len() * nb)
+            .is_some_and(|a| pack(ty, a, r.len(), nb, out.range(r.start * nb, r.len() * nb)));
         if !done {
             ok.store(false, std::sync::atomic::Ordering::Relaxed);
         }

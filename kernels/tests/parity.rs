@@ -43,6 +43,7 @@ fn every_table_slot_has_a_parity_test() {
             f16_to_f32: _,    // conversions_*
             axpy_f16: _,      // axpy_*
             rmsnorm: _,       // rmsnorm_*
+            rmsnorm_rows: _,  // rmsnorm_*
             softmax: _,       // softmax_*
             swiglu: _,        // swiglu_*, silu_*
             rope_norm: _,     // rope_*
@@ -720,6 +721,28 @@ fn rmsnorm_matches_reference() {
         let mut a = vec![1.0; 33];
         (k.rmsnorm)(&[0.0; 33], &[1.0; 33], 1e-6, &mut a);
         assert!(a.iter().all(|&v| v == 0.0));
+    }
+}
+
+#[test]
+fn rmsnorm_rows_match_rmsnorm_row_by_row() {
+    let mut rng = rng(43);
+    for k in levels() {
+        for d in [1, 7, 64, 576] {
+            for rows in [1, 3, 8, 9, 16, 21] {
+                let x: Vec<f32> = randv(&mut rng, rows * d).iter().map(|v| v * 37.0).collect();
+                let w = randv(&mut rng, d);
+                let mut a = vec![0.0; rows * d];
+                (k.rmsnorm_rows)(&x, &w, 1e-5, &mut a);
+                for r in 0..rows {
+                    let mut b = vec![1.0; d];
+                    (k.rmsnorm)(&x[r * d..(r + 1) * d], &w, 1e-5, &mut b);
+                    let got: Vec<u32> = a[r * d..(r + 1) * d].iter().map(|v| v.to_bits()).collect();
+                    let want: Vec<u32> = b.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "d={d} rows={rows} row {r} at {}", k.level);
+                }
+            }
+        }
     }
 }
 

@@ -47,6 +47,9 @@ pub struct FixtureConfig {
     pub itl: Duration,
     /// Answer every Nth request with 503.
     pub fail_every: Option<u64>,
+    /// Close the connection instead of answering every Nth request, as a server that caps
+    /// the requests of a kept-alive connection does when the client reuses it.
+    pub close_every: Option<u64>,
     /// Report usage only when the request asks for it (`stream_options.include_usage`).
     pub usage_only_when_asked: bool,
 }
@@ -61,6 +64,7 @@ impl Default for FixtureConfig {
             per_uncached_token: Duration::ZERO,
             itl: Duration::ZERO,
             fail_every: None,
+            close_every: None,
             usage_only_when_asked: true,
         }
     }
@@ -210,6 +214,18 @@ async fn serve(listener: TcpListener, state: Arc<State>) {
     }
 }
 
+/// The injected failure of [`FixtureConfig::close_every`].
+#[derive(Debug)]
+pub struct Closed;
+
+impl std::fmt::Display for Closed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection closed by the fixture")
+    }
+}
+
+impl std::error::Error for Closed {}
+
 /// A response body fed by a channel (streamed responses with delays).
 struct ChannelBody {
     rx: mpsc::Receiver<Bytes>,
@@ -254,10 +270,7 @@ fn prompt_text(v: &Value) -> String {
     out
 }
 
-async fn handle(
-    state: Arc<State>,
-    req: Request<Incoming>,
-) -> Result<Response<BoxBody>, Infallible> {
+async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<BoxBody>, Closed> {
     let path = req.uri().path().to_string();
     match (req.method(), path.as_str()) {
         (&Method::GET, "/v1/models") => {
@@ -276,6 +289,10 @@ async fn handle(
     }
     let chat = path.ends_with("/chat/completions");
     let n = state.requests.fetch_add(1, Ordering::Relaxed) + 1;
+    if state.cfg.close_every.is_some_and(|k| k > 0 && n.is_multiple_of(k)) {
+        // A service error makes hyper drop the connection without a response.
+        return Err(Closed);
+    }
     let body = match Limited::new(req.into_body(), 64 << 20).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => {

@@ -174,6 +174,7 @@ pub(crate) fn patch(k: &mut Kernels) {
     k.attn = shapes(k.level);
     // ggml's rms_norm is plain C at every level: squares summed in order in f64.
     k.rmsnorm = super::reference::rmsnorm;
+    k.rmsnorm_rows = super::reference::rmsnorm_rows;
     match k.level {
         SimdLevel::Scalar => {
             k.dot_f16 = dot_f16_generic;

@@ -209,7 +209,12 @@ pub(crate) struct LaneAct {
 pub struct Lanes {
     /// Computes the outputs of `rows` (whole tiles) for every token.
     pub(crate) run: fn(&LaneJob<'_>, Range<usize>),
+    /// Packs activations into records: the same records as [`pack`], its scalar twin.
+    pub(crate) pack: PackFn,
 }
+
+/// Signature of [`pack`] and its SIMD twins.
+pub(crate) type PackFn = fn(GgmlType, Acts<'_>, usize, usize, &mut [LaneAct]) -> bool;
 
 /// One call's operands, shared by the threads of the pool.
 pub(crate) struct LaneJob<'a> {
@@ -246,7 +251,11 @@ pub(crate) fn table(level: super::SimdLevel) -> Option<Lanes> {
 
 /// Repacks `n_tok` tokens of quantized activations (`Q8_0` blocks for `Q4_0`/`Q8_0` weights,
 /// `Q8_1` for `Q4_1`) into `dst` (`n_tok × nb` long). Returns `false` on a type or size
-/// mismatch.
+/// mismatch. The scalar twin of every level's [`Lanes::pack`] (tested against it).
+#[cfg_attr(
+    not(test),
+    expect(dead_code, reason = "the reference the SIMD packs are tested against")
+)]
 pub(crate) fn pack(
     ty: GgmlType,
     acts: Acts<'_>,
@@ -340,4 +349,67 @@ fn nibble_dot(qs: &[u8], y: &[i8; 32], off: i32) -> i32 {
                 + (i32::from(q >> 4) - off) * i32::from(y[j + 16])
         })
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::SimdLevel;
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    /// A random finite f16 (normal, subnormal or zero, either sign).
+    fn finite_f16(rng: &mut StdRng) -> f16 {
+        loop {
+            let h = f16::from_bits(rng.random());
+            if h.is_finite() {
+                return h;
+            }
+        }
+    }
+
+    #[test]
+    fn simd_pack_matches_the_scalar_records() {
+        let Some(lk) = table(SimdLevel::detect()) else {
+            eprintln!("no row-lane kernel on this CPU: nothing to compare");
+            return;
+        };
+        let mut rng = StdRng::seed_from_u64(11);
+        for (n_tok, nb) in [(1, 1), (3, 18), (16, 48), (5, 7)] {
+            let n = n_tok * nb;
+            let q8_1: Vec<BlockQ8_1> = (0..n)
+                .map(|_| BlockQ8_1 {
+                    d: finite_f16(&mut rng),
+                    s: finite_f16(&mut rng),
+                    qs: std::array::from_fn(|_| rng.random_range(-127..=127)),
+                })
+                .collect();
+            let q8_0: Vec<BlockQ8_0> = (0..n)
+                .map(|_| BlockQ8_0 {
+                    d: finite_f16(&mut rng),
+                    qs: std::array::from_fn(|_| rng.random_range(-127..=127)),
+                })
+                .collect();
+            for (ty, acts) in [
+                (GgmlType::Q4_1, Acts::Q8_1(&q8_1)),
+                (GgmlType::Q4_0, Acts::Q8_0(&q8_0)),
+                (GgmlType::Q8_0, Acts::Q8_0(&q8_0)),
+            ] {
+                let mut want = vec![LaneAct::default(); n];
+                let mut got = vec![LaneAct::default(); n];
+                assert!(pack(ty, acts, n_tok, nb, &mut want));
+                assert!((lk.pack)(ty, acts, n_tok, nb, &mut got));
+                for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                    let (w, g) = (bytemuck::bytes_of(w), bytemuck::bytes_of(g));
+                    assert_eq!(w, g, "{ty:?}, {n_tok} × {nb}: record {i}");
+                }
+                // Mismatched types and sizes are refused, as by the scalar twin.
+                let other = match acts {
+                    Acts::Q8_1(_) => Acts::Q8_0(&q8_0),
+                    Acts::Q8_0(_) => Acts::Q8_1(&q8_1),
+                };
+                assert!(!(lk.pack)(ty, other, n_tok, nb, &mut got));
+                assert!(!(lk.pack)(ty, acts, n_tok, nb, &mut got[..n - 1]));
+            }
+        }
+    }
 }

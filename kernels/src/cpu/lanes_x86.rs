@@ -18,8 +18,9 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::gemm::Acts;
 use super::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMath, Lanes, d_offset, rec_lines};
-use crate::quant::GgmlType;
+use crate::quant::{BlockQ8_0, BlockQ8_1, GgmlType};
 
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
@@ -91,7 +92,66 @@ fn run(job: &LaneJob<'_>, rows: Range<usize>) {
 
 /// The AVX-512 entry (the level's features were detected by the caller).
 pub(crate) fn avx512() -> Lanes {
-    Lanes { run }
+    Lanes { run, pack }
+}
+
+/// [`super::lanes::pack`] with the scales converted by `vcvtph2ps` and the `Q8_0`
+/// corrections summed by `vpdpbusd` (the same records, bit for bit).
+fn pack(ty: GgmlType, acts: Acts<'_>, n_tok: usize, nb: usize, dst: &mut [LaneAct]) -> bool {
+    let n = n_tok * nb;
+    if dst.len() != n {
+        return false;
+    }
+    match (ty, acts) {
+        (GgmlType::Q4_1, Acts::Q8_1(a)) if a.len() >= n => {
+            // SAFETY: reachable only from the table of a level this CPU supports (module docs).
+            unsafe { imp_pack_q8_1(&a[..n], dst) }
+        }
+        (GgmlType::Q4_0, Acts::Q8_0(a)) if a.len() >= n => {
+            // SAFETY: as above.
+            unsafe { imp_pack_q8_0::<8>(&a[..n], dst) }
+        }
+        (GgmlType::Q8_0, Acts::Q8_0(a)) if a.len() >= n => {
+            // SAFETY: as above.
+            unsafe { imp_pack_q8_0::<128>(&a[..n], dst) }
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// Both f16 halves of `bits` (low first) as f32.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn f16_pair(bits: u32) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+fn imp_pack_q8_1(src: &[BlockQ8_1], dst: &mut [LaneAct]) {
+    for (r, a) in dst.iter_mut().zip(src) {
+        let (d, s) = f16_pair(u32::from(a.d.to_bits()) | u32::from(a.s.to_bits()) << 16);
+        *r = LaneAct { qs: a.qs, d, s, corr: [0; 8], corr_sum: 0 };
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+fn imp_pack_q8_0<const C: i32>(src: &[BlockQ8_0], dst: &mut [LaneAct]) {
+    let ones = _mm256_set1_epi8(1);
+    let neg_c = _mm256_set1_epi32(-C);
+    for (r, a) in dst.iter_mut().zip(src) {
+        // SAFETY: `qs` is 32 readable bytes.
+        let q = unsafe { _mm256_loadu_si256(a.qs.as_ptr().cast()) };
+        // Per 4-byte group: 1·q0 + 1·q1 + 1·q2 + 1·q3 (unsigned ones, signed quants).
+        let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
+        let corr = _mm256_mullo_epi32(sums, neg_c);
+        let mut c = [0i32; 8];
+        // SAFETY: `c` is 32 writable bytes.
+        unsafe { _mm256_storeu_si256(c.as_mut_ptr().cast(), corr) };
+        let (d, _) = f16_pair(u32::from(a.d.to_bits()));
+        *r = LaneAct { qs: a.qs, d, s: 0.0, corr: c, corr_sum: c.iter().sum() };
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]

@@ -139,6 +139,9 @@ pub struct Kernels {
     pub axpy_f16: fn(f32, &[f16], &mut [f32]),
     /// `out = x / rms(x) * w` (ggml's `rms_norm` followed by `mul`).
     pub rmsnorm: fn(&[f32], &[f32], f32, &mut [f32]),
+    /// [`Kernels::rmsnorm`] of every `w.len()`-long row of `x` into the same row of `out`
+    /// (the same bits as row by row).
+    pub rmsnorm_rows: fn(&[f32], &[f32], f32, &mut [f32]),
     /// In-place `x = softmax(x * scale)`; returns nothing, `x` must be non-empty.
     pub softmax: fn(&mut [f32], f32),
     /// `out = silu(gate) * up`.

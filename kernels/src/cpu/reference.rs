@@ -32,6 +32,7 @@ pub const KERNELS: Kernels = Kernels {
     f16_to_f32,
     axpy_f16,
     rmsnorm,
+    rmsnorm_rows,
     softmax,
     swiglu,
     rope_norm: crate::ops::rope_norm,
@@ -172,10 +173,44 @@ pub fn axpy_f16(a: f32, x: &[f16], y: &mut [f32]) {
 /// RMS norm times weight, as ggml computes it: sum of squares in f64, scale in f32.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
+    rms_scale(x, w, eps, sum, out);
+}
+
+/// `out = x · w / sqrt(sum / len + eps)`, the second half of [`rmsnorm`].
+#[inline]
+fn rms_scale(x: &[f32], w: &[f32], eps: f32, sum: f64, out: &mut [f32]) {
     let mean = (sum / x.len() as f64) as f32;
     let scale = 1.0 / (mean + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(w) {
         *o = (v * scale) * w;
+    }
+}
+
+/// [`rmsnorm`] of each `w.len()`-long row of `x` into the same row of `out`, with the same
+/// bits row by row: the sums of squares of eight rows advance together (each still in
+/// order), so their f64 additions overlap instead of waiting on one another.
+pub fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    const R: usize = 8;
+    let d = w.len();
+    if d == 0 {
+        return;
+    }
+    let mut xs = x.chunks_exact(d * R);
+    let mut os = out.chunks_exact_mut(d * R);
+    for (xg, og) in (&mut xs).zip(&mut os) {
+        let mut sum = [0.0f64; R];
+        for i in 0..d {
+            for (r, s) in sum.iter_mut().enumerate() {
+                let v = xg[r * d + i];
+                *s += f64::from(v * v);
+            }
+        }
+        for ((xr, or), s) in xg.chunks_exact(d).zip(og.chunks_exact_mut(d)).zip(sum) {
+            rms_scale(xr, w, eps, s, or);
+        }
+    }
+    for (xr, or) in xs.remainder().chunks_exact(d).zip(os.into_remainder().chunks_exact_mut(d)) {
+        rmsnorm(xr, w, eps, or);
     }
 }
 

@@ -229,14 +229,8 @@ impl LlamaModel {
             {
                 let (x, xo) = (&s.x[..n * d], DisjointOut::new(&mut s.xn[..n * d]));
                 par_tokens(pool, n, &|r| {
-                    for t in r {
-                        (k.rmsnorm)(
-                            &x[t * d..(t + 1) * d],
-                            &l.attn_norm,
-                            c.norm_eps,
-                            xo.range(t * d, d),
-                        );
-                    }
+                    let (a, len) = (r.start * d, r.len() * d);
+                    (k.rmsnorm_rows)(&x[a..a + len], &l.attn_norm, c.norm_eps, xo.range(a, len));
                 });
             }
             trace("attn_norm", li, &s.xn[..n * d]);
@@ -346,13 +340,12 @@ impl LlamaModel {
                 let (xo, no) =
                     (DisjointOut::new(&mut s.x[..n * d]), DisjointOut::new(&mut s.xn[..n * d]));
                 par_tokens(pool, n, &|r| {
-                    for t in r {
-                        let (x, o) = (xo.range(t * d, d), no.range(t * d, d));
-                        for (x, o) in x.iter_mut().zip(o.iter()) {
-                            *x += o;
-                        }
-                        (k.rmsnorm)(x, &l.ffn_norm, c.norm_eps, o);
+                    let (x, o) =
+                        (xo.range(r.start * d, r.len() * d), no.range(r.start * d, r.len() * d));
+                    for (x, o) in x.iter_mut().zip(o.iter()) {
+                        *x += o;
                     }
+                    (k.rmsnorm_rows)(x, &l.ffn_norm, c.norm_eps, o);
                 });
             }
 

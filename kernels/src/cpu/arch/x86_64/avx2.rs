@@ -89,6 +89,7 @@ pub(crate) fn kernels() -> Kernels {
         f16_to_f32,
         axpy_f16,
         rmsnorm,
+        rmsnorm_rows: crate::cpu::reference::rmsnorm_rows,
         softmax,
         swiglu,
         rope_norm,
