@@ -106,12 +106,16 @@ pub struct Outcome {
     pub usage: Option<Usage>,
     /// Set when the request failed.
     pub error: Option<ErrorClass>,
+    /// Whether the request was sent a second time (its connection closed unanswered).
+    pub resent: bool,
 }
 
 /// A client for one endpoint. Cheap to share behind an `Arc`; all callers share the pool.
 #[derive(Debug)]
 pub struct Client {
     http: HyperClient<HttpConnector, Full<Bytes>>,
+    /// Keeps no idle connections: every request on it opens its own (for resends).
+    fresh: HyperClient<HttpConnector, Full<Bytes>>,
     uri: Uri,
     models_uri: Uri,
     headers: Vec<(HeaderName, HeaderValue)>,
@@ -152,8 +156,10 @@ impl Client {
         let http = HyperClient::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(usize::MAX)
-            .build(connector);
-        Ok(Self { http, uri, models_uri, headers, timeout, stream: endpoint.stream })
+            .build(connector.clone());
+        let fresh =
+            HyperClient::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(connector);
+        Ok(Self { http, fresh, uri, models_uri, headers, timeout, stream: endpoint.stream })
     }
 
     /// The URI requests go to.
@@ -235,6 +241,7 @@ impl Client {
             content_chunks: st.content_chunks,
             usage: st.usage,
             error,
+            resent: st.resent,
         }
     }
 
@@ -253,11 +260,13 @@ impl Client {
             let req = self
                 .request(Method::POST, self.uri.clone(), body.clone())
                 .map_err(|()| ErrorClass::Body)?;
-            match self.http.request(req).await {
+            let http = if retried { &self.fresh } else { &self.http };
+            match http.request(req).await {
                 Ok(resp) => break resp,
                 Err(e) if !retried && closed_before_response(&e) => {
                     tracing::debug!(error = ?e, "connection closed before a response; resending");
                     retried = true;
+                    st.resent = true;
                 }
                 Err(e) => {
                     tracing::debug!(error = ?e, "request failed before a response");
@@ -326,6 +335,7 @@ struct StreamState {
     done: bool,
     finished: bool,
     bad: bool,
+    resent: bool,
 }
 
 impl StreamState {
@@ -338,6 +348,7 @@ impl StreamState {
             done: false,
             finished: false,
             bad: false,
+            resent: false,
         }
     }
 

@@ -73,6 +73,7 @@ pub struct Collector {
     last_end: Option<Instant>,
     records: Vec<RequestRecord>,
     records_dropped: u64,
+    resent: u64,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -107,12 +108,14 @@ impl Collector {
             last_end: None,
             records: Vec::new(),
             records_dropped: 0,
+            resent: 0,
         }
     }
 
     /// Adds one request.
     pub fn add(&mut self, f: &Finished<'_>) {
         let o = f.outcome;
+        self.resent += u64::from(o.resent);
         self.first_start = Some(self.first_start.map_or(o.start, |s| s.min(o.start)));
         self.last_end = Some(self.last_end.map_or(o.end, |e| e.max(o.end)));
         if let Some(lag) = f.lag {
@@ -227,6 +230,7 @@ impl Collector {
                 schedule_lag_ms: stats(&self.lag, 1e6),
                 peak_in_flight,
                 records_dropped: self.records_dropped,
+                resent: self.resent,
             },
             cdf_ms: Cdfs {
                 ttft: cdf(&self.ttft),
@@ -288,6 +292,7 @@ mod tests {
             content_chunks: 0,
             usage: None,
             error: None,
+            resent: false,
         }
     }
 

@@ -175,9 +175,9 @@ fn poisson_arrivals_are_deterministic_for_a_seed() {
 
 #[test]
 fn a_request_on_a_connection_the_server_closes_is_sent_again() {
-    // Every third request is dropped with its connection unanswered (a server capping
-    // kept-alive requests): each is sent once more on a fresh connection and completes.
-    let fixture = Fixture::start(FixtureConfig { close_every: Some(3), ..Default::default() });
+    // Each connection's third request is dropped with the connection, unanswered (a server
+    // capping kept-alive requests): each is sent once more on a fresh connection and completes.
+    let fixture = Fixture::start(FixtureConfig { close_at: Some(3), ..Default::default() });
     let mut cfg = config(&fixture.url());
     cfg.max_requests = Some(20);
     cfg.load = LoadConfig::Closed { concurrency: vec![4] };
@@ -188,16 +188,17 @@ fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     };
     let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
     assert_eq!((r.requests.completed, r.requests.failed), (20, 0), "{:?}", r.errors);
-    assert!(fixture.requests() > 20, "the dropped requests were sent again");
+    assert!(r.client.resent > 0, "the dropped requests were sent again");
+    assert_eq!(fixture.requests(), 20 + r.client.resent);
 
     // Once only: a server that drops every request still fails each one, as `body`.
-    let fixture = Fixture::start(FixtureConfig { close_every: Some(1), ..Default::default() });
+    let fixture = Fixture::start(FixtureConfig { close_at: Some(1), ..Default::default() });
     let mut cfg = config(&fixture.url());
     cfg.max_requests = Some(3);
     cfg.endpoint.model = Some("m".into());
     let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
     assert_eq!(r.errors.get("body"), Some(&3));
-    assert_eq!(fixture.requests(), 6);
+    assert_eq!((fixture.requests(), r.client.resent), (6, 3));
 }
 
 #[test]

@@ -62,6 +62,9 @@ fn run_block(out: &mut String, r: &RunReport) {
     if let Some(lag) = r.client.schedule_lag_ms {
         let _ = write!(out, ", schedule lag p50 {:.3} ms p99 {:.3} ms", lag.p50, lag.p99);
     }
+    if r.client.resent > 0 {
+        let _ = write!(out, ", {} resent (connection closed unanswered)", r.client.resent);
+    }
     out.push('\n');
 }
 

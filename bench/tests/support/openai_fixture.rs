@@ -47,9 +47,9 @@ pub struct FixtureConfig {
     pub itl: Duration,
     /// Answer every Nth request with 503.
     pub fail_every: Option<u64>,
-    /// Close the connection instead of answering every Nth request, as a server that caps
-    /// the requests of a kept-alive connection does when the client reuses it.
-    pub close_every: Option<u64>,
+    /// Close each connection at its Nth POST instead of answering it, as a server that caps
+    /// the requests of a kept-alive connection does when the client reuses it once more.
+    pub close_at: Option<u64>,
     /// Report usage only when the request asks for it (`stream_options.include_usage`).
     pub usage_only_when_asked: bool,
 }
@@ -64,7 +64,7 @@ impl Default for FixtureConfig {
             per_uncached_token: Duration::ZERO,
             itl: Duration::ZERO,
             fail_every: None,
-            close_every: None,
+            close_at: None,
             usage_only_when_asked: true,
         }
     }
@@ -206,7 +206,8 @@ async fn serve(listener: TcpListener, state: Arc<State>) {
         let _ = stream.set_nodelay(true);
         let state = state.clone();
         tokio::spawn(async move {
-            let svc = service_fn(move |req| handle(state.clone(), req));
+            let posts = Arc::new(AtomicU64::new(0));
+            let svc = service_fn(move |req| handle(state.clone(), posts.clone(), req));
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
@@ -214,7 +215,7 @@ async fn serve(listener: TcpListener, state: Arc<State>) {
     }
 }
 
-/// The injected failure of [`FixtureConfig::close_every`].
+/// The injected failure of [`FixtureConfig::close_at`].
 #[derive(Debug)]
 pub struct Closed;
 
@@ -270,7 +271,11 @@ fn prompt_text(v: &Value) -> String {
     out
 }
 
-async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<BoxBody>, Closed> {
+async fn handle(
+    state: Arc<State>,
+    posts: Arc<AtomicU64>,
+    req: Request<Incoming>,
+) -> Result<Response<BoxBody>, Closed> {
     let path = req.uri().path().to_string();
     match (req.method(), path.as_str()) {
         (&Method::GET, "/v1/models") => {
@@ -289,7 +294,8 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     }
     let chat = path.ends_with("/chat/completions");
     let n = state.requests.fetch_add(1, Ordering::Relaxed) + 1;
-    if state.cfg.close_every.is_some_and(|k| k > 0 && n.is_multiple_of(k)) {
+    let on_connection = posts.fetch_add(1, Ordering::Relaxed) + 1;
+    if state.cfg.close_at == Some(on_connection) {
         // A service error makes hyper drop the connection without a response.
         return Err(Closed);
     }
