@@ -43,7 +43,10 @@ impl KvCache {
             .checked_mul(block_size)
             .and_then(|v| v.checked_mul(cfg.kv_dim()))
             .ok_or_else(|| ModelError::Config("KV cache size overflows".into()))?;
-        let alloc = || vec![f16::ZERO; per_layer];
+        // Allocated as zeroed memory (`u16` zeros take the allocator's zeroed path, which
+        // `f16` does not), so the pages stay untouched until blocks are first written: no
+        // start-up pass over the whole budget, and resident memory grows with use.
+        let alloc = || bytemuck::allocation::cast_vec::<u16, f16>(vec![0u16; per_layer]);
         Ok(KvCache {
             n_layer: cfg.n_layer,
             n_blocks,
