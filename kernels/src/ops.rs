@@ -590,6 +590,25 @@ pub struct PagedHead<'a> {
 }
 
 impl<'a> PagedHead<'a> {
+    /// Asks for the rows of positions `0..n_pos` to be fetched into L2 (a hint; rows outside
+    /// the cache are skipped). Decode attention calls it for the next (token, KV head) while
+    /// computing the current one, whose rows lie in blocks scattered over memory.
+    pub fn prefetch(&self, n_pos: usize) {
+        let (bs, hd) = (self.block_size, self.head_dim);
+        let mut left = n_pos;
+        for &block in self.block_table {
+            if left == 0 {
+                break;
+            }
+            let rows = left.min(bs);
+            let start = (block as usize * self.n_kv_heads + self.kv_head) * bs * hd;
+            if let Some(run) = self.data.get(start..start + rows * hd) {
+                crate::cpu::prefetch_l2(bytemuck::cast_slice(run));
+            }
+            left -= rows;
+        }
+    }
+
     /// The row of position `p`, or `None` if the block table or cache is too short.
     #[inline]
     pub fn row(&self, p: usize) -> Option<&'a [f16]> {

@@ -311,7 +311,21 @@ impl LlamaModel {
                     (Some(&a), Some(&b)) if bounds.len() == nt + 1 => a..b,
                     _ => split_range(n * units, i, nt, 1),
                 };
+                let end = mine.end;
                 for unit in mine {
+                    // A decode token reads its sequence's rows once, from blocks scattered
+                    // over memory: fetch the next unit's rows while this one computes (a
+                    // prompt's tokens re-read rows that are already cached).
+                    if unit + 1 < end {
+                        let (t, h) = ((unit + 1) / units, ((unit + 1) % units) * per);
+                        let (ci, pos) = tok[t];
+                        let ch = &chunks[ci as usize];
+                        if ch.tokens.len() == 1 {
+                            let (nk, nv) = kvc.heads(li, h / group, ch.block_table);
+                            nk.prefetch(pos as usize + 1);
+                            nv.prefetch(pos as usize + 1);
+                        }
+                    }
                     let (t, h) = (unit / units, (unit % units) * per);
                     let (ci, pos) = tok[t];
                     let (keys, values) = kvc.heads(li, h / group, chunks[ci as usize].block_table);
