@@ -590,19 +590,25 @@ pub struct PagedHead<'a> {
 }
 
 impl<'a> PagedHead<'a> {
+    /// Where this head's rows of cache block `block` start in `data` (the block's
+    /// `block_size` rows of `head_dim` follow one another).
+    #[inline]
+    pub fn block_start(&self, block: u32) -> usize {
+        (block as usize * self.n_kv_heads + self.kv_head) * self.block_size * self.head_dim
+    }
+
     /// Asks for the rows of positions `0..n_pos` to be fetched into L2 (a hint; rows outside
     /// the cache are skipped). Decode attention calls it for the next (token, KV head) while
     /// computing the current one, whose rows lie in blocks scattered over memory.
     pub fn prefetch(&self, n_pos: usize) {
-        let (bs, hd) = (self.block_size, self.head_dim);
         let mut left = n_pos;
         for &block in self.block_table {
             if left == 0 {
                 break;
             }
-            let rows = left.min(bs);
-            let start = (block as usize * self.n_kv_heads + self.kv_head) * bs * hd;
-            if let Some(run) = self.data.get(start..start + rows * hd) {
+            let rows = left.min(self.block_size);
+            let start = self.block_start(block);
+            if let Some(run) = self.data.get(start..start + rows * self.head_dim) {
                 crate::cpu::prefetch_l2(bytemuck::cast_slice(run));
             }
             left -= rows;
@@ -612,10 +618,8 @@ impl<'a> PagedHead<'a> {
     /// The row of position `p`, or `None` if the block table or cache is too short.
     #[inline]
     pub fn row(&self, p: usize) -> Option<&'a [f16]> {
-        let block = *self.block_table.get(p / self.block_size)? as usize;
-        let slot = p % self.block_size;
-        let start =
-            ((block * self.n_kv_heads + self.kv_head) * self.block_size + slot) * self.head_dim;
+        let block = *self.block_table.get(p / self.block_size)?;
+        let start = self.block_start(block) + (p % self.block_size) * self.head_dim;
         self.data.get(start..start + self.head_dim)
     }
 }

@@ -223,7 +223,7 @@ fn row_offsets(head: &PagedHead<'_>, offs: &mut [usize]) -> bool {
         if p >= offs.len() {
             break;
         }
-        let start = (block as usize * head.n_kv_heads + head.kv_head) * bs * hd;
+        let start = head.block_start(block);
         let rows = (offs.len() - p).min(bs);
         if start + rows * hd > head.data.len() {
             return false;
