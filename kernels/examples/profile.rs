@@ -3,7 +3,8 @@
 //! projection + residual, `ffn_swiglu` = norm + gate/up products + SwiGLU, `ffn_out` = down
 //! product, `(tail)` = final norm + output head) for each matrix arithmetic.
 //! Usage: `profile MODEL.gguf THREADS TOKENS [SEQS]`: one prompt of TOKENS tokens, or with
-//! SEQS a decode step of SEQS sequences, each one new token after TOKENS cached positions.
+//! SEQS a decode step of SEQS sequences, each one new token after TOKENS cached positions
+//! (cache blocks scattered by a fixed permutation).
 //! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4).
 
 use std::collections::BTreeMap;
@@ -55,8 +56,12 @@ fn profile(
     let n_seq = seqs.unwrap_or(1);
     let nb = (n_tok + 1).div_ceil(bs);
     let mut kv = KvCache::new(&model.cfg, nb * n_seq, bs)?;
+    // Blocks scattered over the cache as a serving engine's free list leaves them (a fixed
+    // permutation: 7919 is prime), so that decode attention reads rows as it does there.
+    let n_blocks = nb * n_seq;
+    let scatter = |j: usize| ((j * 7919 + 13) % n_blocks) as u32;
     let tables: Vec<Vec<u32>> =
-        (0..n_seq).map(|i| (0..nb as u32).map(|b| b + (i * nb) as u32).collect()).collect();
+        (0..n_seq).map(|i| (0..nb).map(|b| scatter(b + i * nb)).collect()).collect();
     let step = if seqs.is_some() { n_seq } else { n_tok };
     let mut s = Scratch::new(model, n_tok.max(n_seq), nb * bs, pool.n_threads());
     let mut logits = vec![0.0; model.cfg.n_vocab * n_seq];

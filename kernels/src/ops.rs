@@ -597,21 +597,22 @@ impl<'a> PagedHead<'a> {
         (block as usize * self.n_kv_heads + self.kv_head) * self.block_size * self.head_dim
     }
 
-    /// Asks for the rows of positions `0..n_pos` to be fetched into L2 (a hint; rows outside
-    /// the cache are skipped). Decode attention calls it for the next (token, KV head) while
-    /// computing the current one, whose rows lie in blocks scattered over memory.
-    pub fn prefetch(&self, n_pos: usize) {
-        let mut left = n_pos;
-        for &block in self.block_table {
-            if left == 0 {
-                break;
-            }
-            let rows = left.min(self.block_size);
-            let start = self.block_start(block);
+    /// Asks for the rows of positions `lo..hi` to be fetched into L2 (a hint; rows outside
+    /// the cache are skipped).
+    pub fn prefetch_range(&self, lo: usize, hi: usize) {
+        if self.block_size == 0 {
+            return;
+        }
+        let mut p = lo;
+        while p < hi {
+            let Some(&block) = self.block_table.get(p / self.block_size) else { break };
+            let slot = p % self.block_size;
+            let rows = (hi - p).min(self.block_size - slot);
+            let start = self.block_start(block) + slot * self.head_dim;
             if let Some(run) = self.data.get(start..start + rows * self.head_dim) {
                 crate::cpu::prefetch_l2(bytemuck::cast_slice(run));
             }
-            left -= rows;
+            p += rows;
         }
     }
 
@@ -621,6 +622,30 @@ impl<'a> PagedHead<'a> {
         let block = *self.block_table.get(p / self.block_size)?;
         let start = self.block_start(block) + (p % self.block_size) * self.head_dim;
         self.data.get(start..start + self.head_dim)
+    }
+}
+
+/// The cache rows of the (token, KV head) a thread attends to next. Decode attention reads
+/// each sequence's rows once, from blocks scattered over memory: the fused kernel fetches
+/// these into L2 a share at a time while it computes the current unit (all at once, the
+/// requests fill the core's miss buffers and stall it).
+#[derive(Debug, Clone, Copy)]
+pub struct NextRows<'a> {
+    /// Keys of the next unit's KV head.
+    pub keys: PagedHead<'a>,
+    /// Values of the next unit's KV head.
+    pub values: PagedHead<'a>,
+    /// Positions it attends to.
+    pub n_pos: usize,
+}
+
+impl NextRows<'_> {
+    /// Asks for share `i` of `parts` of the rows (positions `i·n/parts..(i+1)·n/parts`).
+    pub fn prefetch_part(&self, i: usize, parts: usize) {
+        let parts = parts.max(1);
+        let (lo, hi) = (i * self.n_pos / parts, (i + 1) * self.n_pos / parts);
+        self.keys.prefetch_range(lo, hi);
+        self.values.prefetch_range(lo, hi);
     }
 }
 
@@ -666,6 +691,8 @@ pub struct AttnHeadJob<'a> {
     pub scale: f32,
     /// The level's softmax.
     pub softmax: fn(&mut [f32], f32),
+    /// Rows to fetch for the caller's next unit while this one computes (a hint).
+    pub next: Option<&'a NextRows<'a>>,
 }
 
 /// A level's fused attention of a group of query heads sharing one KV head (`out`:
@@ -706,7 +733,17 @@ pub fn attention(
 ) -> Result<(), KernelError> {
     check_attention(q, keys, values, n_pos, sc, out)?;
     if let Some(fused) = k.attn_head {
-        let job = AttnHeadJob { mode, q, heads: 1, keys, values, n_pos, scale, softmax: k.softmax };
+        let job = AttnHeadJob {
+            mode,
+            q,
+            heads: 1,
+            keys,
+            values,
+            n_pos,
+            scale,
+            softmax: k.softmax,
+            next: None,
+        };
         if fused(&job, sc, out) {
             return Ok(());
         }
@@ -728,6 +765,7 @@ pub fn attention_group(
     values: &PagedHead<'_>,
     n_pos: usize,
     scale: f32,
+    next: Option<&NextRows<'_>>,
     sc: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
@@ -738,10 +776,14 @@ pub fn attention_group(
     if let Some(fused) = k.attn_head
         && heads <= MAX_ATTN_GROUP
     {
-        let job = AttnHeadJob { mode, q, heads, keys, values, n_pos, scale, softmax: k.softmax };
+        let softmax = k.softmax;
+        let job = AttnHeadJob { mode, q, heads, keys, values, n_pos, scale, softmax, next };
         if fused(&job, sc, out) {
             return Ok(());
         }
+    }
+    if let Some(next) = next {
+        next.prefetch_part(0, 1);
     }
     for (q, out) in q.chunks_exact(hd).zip(out.chunks_exact_mut(vd)) {
         attention(k, mode, q, keys, values, n_pos, scale, sc, out)?;

@@ -239,3 +239,52 @@ fn many_products_with_one_input_equal_one_product_each() {
         }
     }
 }
+
+/// Matrices repacked together into one arena (as a model's are) each multiply exactly as
+/// the same matrix repacked alone; an arena sized too small refuses the matrix that does
+/// not fit, and a shape that does not match its data is refused before anything is written.
+#[test]
+fn matrices_sharing_an_arena_multiply_as_they_do_alone() {
+    let mut rng = rng(94);
+    let pool = ThreadPool::new(2).unwrap();
+    for k in lane_levels() {
+        let shapes =
+            [(GgmlType::Q4_1, 192, 576), (GgmlType::Q8_0, 64, 96), (GgmlType::Q4_0, 48, 1536)];
+        let ws: Vec<_> = shapes.iter().map(|&(ty, r, c)| weights(&mut rng, ty, r, c)).collect();
+        let lines: usize = shapes
+            .iter()
+            .zip(&ws)
+            .map(|(&(ty, r, c), w)| LaneMatrix::lines_for(ty, r, c, w.bytes().len()).unwrap())
+            .sum();
+        let mut arena = lanes::LaneArena::with_lines(lines);
+        for (&(ty, r, c), w) in shapes.iter().zip(&ws) {
+            arena.push(LaneMath::Exact, ty, r, c, w.bytes()).unwrap();
+        }
+        let shared = arena.finish();
+        assert_eq!(shared.len(), shapes.len());
+        for ((&(ty, rows, cols), w), lm) in shapes.iter().zip(&ws).zip(&shared) {
+            let alone = LaneMatrix::repack(LaneMath::Exact, ty, rows, cols, w.bytes()).unwrap();
+            assert_eq!(lm.bytes(), alone.bytes());
+            let m = QMatrix::new(ty, rows, cols, w.bytes()).unwrap();
+            let act = activations(&mut rng, &k, &m, 5);
+            let mut got = vec![f32::NAN; 5 * rows];
+            let mut want = vec![f32::NAN; 5 * rows];
+            ops::matmul(&k, &pool, &m.with_lanes(lm).unwrap(), act.bytes(), 5, &mut got).unwrap();
+            ops::matmul(&k, &pool, &m.with_lanes(&alone).unwrap(), act.bytes(), 5, &mut want)
+                .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{ty} {rows}x{cols} in a shared arena");
+            assert_lanes(&k, LaneMath::Exact, &m, act.bytes(), 5, &got, "shared arena");
+        }
+        // Too small for the second matrix.
+        let (ty, r, c) = shapes[0];
+        let n = LaneMatrix::lines_for(ty, r, c, ws[0].bytes().len()).unwrap();
+        let mut small = lanes::LaneArena::with_lines(n + 1);
+        small.push(LaneMath::Exact, ty, r, c, ws[0].bytes()).unwrap();
+        assert!(small.push(LaneMath::Exact, ty, r, c, ws[0].bytes()).is_err());
+        assert_eq!(small.finish().len(), 1);
+        // A shape that does not match the bytes.
+        let mut arena = lanes::LaneArena::with_lines(n);
+        assert!(arena.push(LaneMath::Exact, ty, r + 16, c, ws[0].bytes()).is_err());
+    }
+}

@@ -521,6 +521,7 @@ fn fused_attention_is_bit_identical_to_the_generic_path() {
                                 n_pos,
                                 scale,
                                 softmax: k.softmax,
+                                next: None,
                             };
                             if !fused(&job, &mut sc2, &mut got) {
                                 // Shapes the kernel leaves to the generic path: 64-multiples
@@ -577,8 +578,20 @@ fn grouped_attention_is_bit_identical_per_head() {
                         let q = randv(&mut rng, heads * hd);
                         for mode in [AttnMode::Decode, AttnMode::Prefill] {
                             let mut got = vec![f32::NAN; heads * hd];
+                            // With the next unit's rows to fetch (this one's, shifted; rows
+                            // past the cache are skipped): a hint, without effect on results.
+                            let next = ops::NextRows { keys, values, n_pos: n_pos + 40 };
                             ops::attention_group(
-                                &k, mode, &q, heads, &keys, &values, n_pos, scale, &mut sc,
+                                &k,
+                                mode,
+                                &q,
+                                heads,
+                                &keys,
+                                &values,
+                                n_pos,
+                                scale,
+                                Some(&next),
+                                &mut sc,
                                 &mut got,
                             )
                             .unwrap();

@@ -12,7 +12,12 @@
 //!   (`v[i] + v[i + 8]`, then `+4`, then `(b0 + b2) + (b1 + b3)`).
 //! * **Weighted values**: class `c` (positions `p ≡ c` mod the shape's step) is accumulated
 //!   in registers over its positions in order, which is the order the generic path adds
-//!   them in; the classes are then combined by vertical adds in the shape's tree.
+//!   them in; the classes are then combined by vertical adds in the shape's tree. For
+//!   `vec_dot_f16`'s shape (decode) each class joins the tree in registers as soon as it is
+//!   complete, 16 output dimensions at a time; tinyBLAS's 16 classes go through scratch.
+//! * **The next unit's rows** (decode): the caller names them, and the score loop asks for
+//!   a share per 16 keys, so that the fetches overlap this unit's arithmetic without filling
+//!   the miss buffers at once.
 //!
 //! The softmax and both f16 roundings are the level's kernels, unchanged.
 //!
@@ -288,8 +293,13 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     let scores = &mut sc.scores[..gn * n];
     let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
     let mut p0 = 0;
+    let parts = n.div_ceil(16);
     while p0 < n {
         let m = (n - p0).min(16);
+        // The caller's next unit, a share per chunk of keys.
+        if let Some(next) = job.next {
+            next.prefetch_part(p0 / 16, parts);
+        }
         let ko = &offs[p0..p0 + m];
         // A decode step reads each sequence's rows once, from scattered blocks in memory:
         // fetch the next 16 keys into L1 and this chunk's values into L2 while the scores
@@ -345,10 +355,26 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
         }
     }
 
+    let values = &values.data;
+    if step == 64 && offs.len() >= n {
+        // `vec_dot_f16`'s shape: 16 output dimensions at a time, each class summed in
+        // registers and combined into the shape's tree as soon as it is complete (nothing
+        // goes through memory).
+        let pv = match gn {
+            1 => pv_tree::<1>,
+            2 => pv_tree::<2>,
+            3 => pv_tree::<3>,
+            _ => pv_tree::<4>,
+        };
+        for d0 in (0..vd).step_by(16) {
+            pv(scores, n, values, offs, d0, vd, out);
+        }
+        return true;
+    }
+
     // Per class, its positions in order, accumulated in registers, 64 dimensions at a time,
     // each value row loaded once for the group.
     let classes = &mut sc.classes[..gn * step * vd];
-    let values = &values.data;
     for d0 in (0..vd).step_by(64) {
         let pv = match ((vd - d0) / 16, gn) {
             (1, _) => pv_classes_any::<1>,
@@ -368,23 +394,64 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
         let classes = &classes[g * step * vd..(g + 1) * step * vd];
         for k in 0..nd {
             let lane = |c: usize| load16(&classes[c * vd + 16 * k..]);
-            let lanes: [__m512; 16] = if step == 16 {
-                std::array::from_fn(lane)
-            } else {
-                // Registers a = 0..4 hold classes 16a..16a + 16: (r0 + r2) + (r1 + r3).
-                std::array::from_fn(|l| {
-                    _mm512_add_ps(
-                        _mm512_add_ps(lane(l), lane(32 + l)),
-                        _mm512_add_ps(lane(16 + l), lane(48 + l)),
-                    )
-                })
-            };
+            let lanes: [__m512; 16] = std::array::from_fn(lane);
             // `SumShape::finish` ends with `(f64(sum) + 0.0) as f32`: -0 becomes +0.
             let r = _mm512_add_ps(reduce_vertical(&lanes), _mm512_setzero_ps());
             store16(&mut out[16 * k..], r);
         }
     }
     true
+}
+
+/// Lane-wise sums of `G` heads' registers.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn add_g<const G: usize>(a: [__m512; G], b: [__m512; G]) -> [__m512; G] {
+    std::array::from_fn(|g| _mm512_add_ps(a[g], b[g]))
+}
+
+/// Dimensions `d0..d0 + 16` of `vec_dot_f16`-shaped weighted values of `G` heads: class `c`
+/// (positions `p ≡ c` mod 64, in order, one fused multiply-add each) is summed in
+/// registers, and the 64 classes are added in the shape's tree (its 4 registers of 16
+/// lanes: `(r0 + r2) + (r1 + r3)` per lane, then `_mm512_reduce_add_ps`'s pairs, which for
+/// 16 lanes at once are the vertical adds of [`reduce_vertical`]), so that class `l` of
+/// lane tree position `l` meets its partners as soon as they are complete. Head `g`'s
+/// weights are `w[g * n..]`, its output `out[g * vd + d0..]`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn pv_tree<const G: usize>(
+    w: &[f32],
+    n: usize,
+    values: &[f16],
+    offs: &[usize],
+    d0: usize,
+    vd: usize,
+    out: &mut [f32],
+) {
+    if w.len() < G * n || offs.len() < n || out.len() < G * vd || d0 + 16 > vd {
+        return;
+    }
+    let class = |c: usize| -> [__m512; G] {
+        let mut acc = [_mm512_setzero_ps(); G];
+        let mut p = c;
+        while p < n {
+            let v = load_h16(&values[offs[p] + d0..]);
+            for (g, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_set1_ps(w[g * n + p]), v, *a);
+            }
+            p += 64;
+        }
+        acc
+    };
+    // Register `l` of the 16 the shape's four registers fold into.
+    let lane =
+        |l: usize| add_g(add_g(class(l), class(32 + l)), add_g(class(16 + l), class(48 + l)));
+    let a = |i: usize| add_g(lane(i), lane(i + 8));
+    let b = |i: usize| add_g(a(i), a(i + 4));
+    let r = add_g(add_g(b(0), b(2)), add_g(b(1), b(3)));
+    for (g, r) in r.iter().enumerate() {
+        // `SumShape::finish` ends with `(f64(sum) + 0.0) as f32`: -0 becomes +0.
+        store16(&mut out[g * vd + d0..], _mm512_add_ps(*r, _mm512_setzero_ps()));
+    }
 }
 
 /// [`pv_classes`] for groups of any size up to [`MAX_GROUP`] (head by head).

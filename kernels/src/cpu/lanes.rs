@@ -34,6 +34,7 @@
 //! padded to 576 bytes. A tile's records are one sequential stream.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 use half::f16;
@@ -58,7 +59,8 @@ pub enum LaneMath {
     Fast,
 }
 
-/// A weight matrix repacked into row-lane tiles (module docs), owned and 64-byte aligned.
+/// A weight matrix repacked into row-lane tiles (module docs), 64-byte aligned, in an
+/// allocation it may share with other matrices ([`LaneArena`]); clones share it.
 #[derive(Clone)]
 pub struct LaneMatrix {
     math: LaneMath,
@@ -66,7 +68,76 @@ pub struct LaneMatrix {
     rows: usize,
     cols: usize,
     nb: usize,
-    data: Vec<Line>,
+    store: Arc<Vec<Line>>,
+    /// Where this matrix's records lie in `store`.
+    lines: Range<usize>,
+}
+
+/// Row-lane matrices built into one allocation, advised onto transparent huge pages before
+/// it is first touched: a decode step streams every matrix once, and on 4 KiB pages the
+/// streams pay a TLB miss and a hardware-prefetch restart every 64 lines (a model's
+/// matrices are mostly well under 2 MiB each, so separate allocations would not get huge
+/// pages). Sized up front ([`LaneMatrix::lines_for`]), filled matrix by matrix.
+pub struct LaneArena {
+    store: Vec<Line>,
+    parts: Vec<(LaneMath, GgmlType, usize, usize, Range<usize>)>,
+}
+
+impl std::fmt::Debug for LaneArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneArena")
+            .field("lines", &self.store.len())
+            .field("matrices", &self.parts.len())
+            .finish()
+    }
+}
+
+impl LaneArena {
+    /// An arena of `lines` zeroed lines.
+    pub fn with_lines(lines: usize) -> LaneArena {
+        let mut store: Vec<Line> = Vec::with_capacity(lines);
+        let spare = store.spare_capacity_mut();
+        super::advise_huge_pages(spare.as_ptr().cast(), std::mem::size_of_val(spare));
+        store.resize(lines, Line([0; 64]));
+        LaneArena { store, parts: Vec::new() }
+    }
+
+    /// Repacks the next matrix (arguments as [`LaneMatrix::repack`]) into the arena.
+    pub fn push(
+        &mut self,
+        math: LaneMath,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        src: &[u8],
+    ) -> Result<(), KernelError> {
+        let n = LaneMatrix::lines_for(ty, rows, cols, src.len())?;
+        let start = self.parts.last().map_or(0, |p| p.4.end);
+        let dst = self
+            .store
+            .get_mut(start..start + n)
+            .ok_or(KernelError::Shape("the arena was sized for fewer lines"))?;
+        fill(ty, rows, cols, src, dst);
+        self.parts.push((math, ty, rows, cols, start..start + n));
+        Ok(())
+    }
+
+    /// The matrices, in the order they were pushed.
+    pub fn finish(self) -> Vec<LaneMatrix> {
+        let store = Arc::new(self.store);
+        self.parts
+            .into_iter()
+            .map(|(math, ty, rows, cols, lines)| LaneMatrix {
+                math,
+                ty,
+                rows,
+                cols,
+                nb: cols / ty.block_size(),
+                store: store.clone(),
+                lines,
+            })
+            .collect()
+    }
 }
 
 impl std::fmt::Debug for LaneMatrix {
@@ -101,15 +172,14 @@ impl LaneMatrix {
         matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
     }
 
-    /// Repacks `rows` × `cols` weights of `ty` in ggml's layout (`src`, rows contiguous),
-    /// for products in `math`. `rows` must be a multiple of [`LANE_ROWS`].
-    pub fn repack(
-        math: LaneMath,
+    /// Lines of records that `rows` × `cols` weights of `ty` take, after checking the shape
+    /// and that `src_len` bytes hold them.
+    pub fn lines_for(
         ty: GgmlType,
         rows: usize,
         cols: usize,
-        src: &[u8],
-    ) -> Result<LaneMatrix, KernelError> {
+        src_len: usize,
+    ) -> Result<usize, KernelError> {
         if !Self::supports(ty) {
             return Err(KernelError::UnsupportedType(ty));
         }
@@ -121,37 +191,25 @@ impl LaneMatrix {
             return Err(KernelError::Shape("row length is not a whole number of blocks"));
         }
         let nb = cols / bs;
-        let bb = ty.type_size();
-        if rows.checked_mul(nb * bb) != Some(src.len()) {
+        if rows.checked_mul(nb * ty.type_size()) != Some(src_len) {
             return Err(KernelError::Shape("matrix data size does not match its shape"));
         }
-        let lpr = rec_lines(ty);
-        let mut data = vec![Line([0; 64]); rows / LANE_ROWS * nb * lpr];
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
-        let (qs_at, nq) = match ty {
-            GgmlType::Q4_1 => (4, 4),
-            GgmlType::Q4_0 => (2, 4),
-            _ => (2, 8),
-        };
-        let d_at = d_offset(ty);
-        for (ri, row) in src.chunks_exact(nb * bb).enumerate() {
-            let (tile, i) = (ri / LANE_ROWS, ri % LANE_ROWS);
-            for (b, blk) in row.chunks_exact(bb).enumerate() {
-                let rec = &mut bytes[(tile * nb + b) * lpr * 64..][..lpr * 64];
-                for j in 0..nq {
-                    let dst = &mut rec[64 * j + 4 * i..64 * j + 4 * i + 4];
-                    dst.copy_from_slice(&blk[qs_at + 4 * j..qs_at + 4 * j + 4]);
-                    if ty == GgmlType::Q8_0 {
-                        dst.iter_mut().for_each(|q| *q ^= 0x80);
-                    }
-                }
-                rec[d_at + 2 * i..d_at + 2 * i + 2].copy_from_slice(&blk[0..2]);
-                if ty == GgmlType::Q4_1 {
-                    rec[d_at + 32 + 2 * i..d_at + 32 + 2 * i + 2].copy_from_slice(&blk[2..4]);
-                }
-            }
-        }
-        Ok(LaneMatrix { math, ty, rows, cols, nb, data })
+        Ok(rows / LANE_ROWS * nb * rec_lines(ty))
+    }
+
+    /// Repacks `rows` × `cols` weights of `ty` in ggml's layout (`src`, rows contiguous),
+    /// for products in `math`, into an allocation of its own. `rows` must be a multiple of
+    /// [`LANE_ROWS`].
+    pub fn repack(
+        math: LaneMath,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        src: &[u8],
+    ) -> Result<LaneMatrix, KernelError> {
+        let mut arena = LaneArena::with_lines(Self::lines_for(ty, rows, cols, src.len())?);
+        arena.push(math, ty, rows, cols, src)?;
+        arena.finish().pop().ok_or(KernelError::Shape("no matrix"))
     }
 
     /// The arithmetic of products with this matrix.
@@ -177,12 +235,42 @@ impl LaneMatrix {
     }
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.data.len() * size_of::<Line>()
+        self.lines.len() * size_of::<Line>()
     }
     /// The records of row tile `tile` (`nb` records of [`rec_lines`] lines).
     pub(crate) fn tile(&self, tile: usize) -> &[Line] {
         let n = self.nb * rec_lines(self.ty);
-        &self.data[tile * n..(tile + 1) * n]
+        &self.store[self.lines.clone()][tile * n..(tile + 1) * n]
+    }
+}
+
+/// Writes the records of `src` (shape checked by [`LaneMatrix::lines_for`]) into `dst`.
+fn fill(ty: GgmlType, rows: usize, cols: usize, src: &[u8], dst: &mut [Line]) {
+    let (nb, bb, lpr) = (cols / ty.block_size(), ty.type_size(), rec_lines(ty));
+    debug_assert_eq!(dst.len(), rows / LANE_ROWS * nb * lpr);
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
+    let (qs_at, nq) = match ty {
+        GgmlType::Q4_1 => (4, 4),
+        GgmlType::Q4_0 => (2, 4),
+        _ => (2, 8),
+    };
+    let d_at = d_offset(ty);
+    for (ri, row) in src.chunks_exact(nb * bb).enumerate() {
+        let (tile, i) = (ri / LANE_ROWS, ri % LANE_ROWS);
+        for (b, blk) in row.chunks_exact(bb).enumerate() {
+            let rec = &mut bytes[(tile * nb + b) * lpr * 64..][..lpr * 64];
+            for j in 0..nq {
+                let dst = &mut rec[64 * j + 4 * i..64 * j + 4 * i + 4];
+                dst.copy_from_slice(&blk[qs_at + 4 * j..qs_at + 4 * j + 4]);
+                if ty == GgmlType::Q8_0 {
+                    dst.iter_mut().for_each(|q| *q ^= 0x80);
+                }
+            }
+            rec[d_at + 2 * i..d_at + 2 * i + 2].copy_from_slice(&blk[0..2]);
+            if ty == GgmlType::Q4_1 {
+                rec[d_at + 32 + 2 * i..d_at + 32 + 2 * i + 2].copy_from_slice(&blk[2..4]);
+            }
+        }
     }
 }
 
@@ -236,7 +324,8 @@ impl LaneJob<'_> {
             "rows not in tiles"
         );
         assert_eq!(self.acts.len(), self.n_tok * w.nb, "activation records");
-        assert_eq!(w.data.len(), w.rows / LANE_ROWS * w.nb * rec_lines(w.ty), "weight records");
+        assert_eq!(w.lines.len(), w.rows / LANE_ROWS * w.nb * rec_lines(w.ty), "weight records");
+        assert!(w.lines.end <= w.store.len(), "weight records");
     }
 }
 

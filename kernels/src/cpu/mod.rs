@@ -201,6 +201,29 @@ pub fn prefetch_l2(data: &[u8]) {
     let _ = data;
 }
 
+/// Asks the OS to back the 2 MiB-aligned interior of the `len` bytes at `start` with
+/// transparent huge pages (`madvise(MADV_HUGEPAGE)`, for systems whose THP setting is
+/// `madvise`). Call it on memory of one's own allocation before its pages are first
+/// touched. A hint without effect on contents; refusals are ignored.
+pub fn advise_huge_pages(start: *const u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let (lo, hi) =
+            ((start as usize).next_multiple_of(HUGE), (start as usize + len) / HUGE * HUGE);
+        if hi > lo {
+            // SAFETY: MADV_HUGEPAGE changes how pages are backed, never what they hold, and
+            // the call reads or writes no memory of ours; a range that is not mapped makes
+            // it fail, which is ignored.
+            unsafe {
+                libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, len);
+}
+
 static ACTIVE: OnceLock<Kernels> = OnceLock::new();
 
 /// The process-wide kernel table: the best level this CPU supports, unless

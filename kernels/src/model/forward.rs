@@ -314,18 +314,18 @@ impl LlamaModel {
                 let end = mine.end;
                 for unit in mine {
                     // A decode token reads its sequence's rows once, from blocks scattered
-                    // over memory: fetch the next unit's rows while this one computes (a
-                    // prompt's tokens re-read rows that are already cached).
-                    if unit + 1 < end {
+                    // over memory: the kernel fetches the next unit's rows while this one
+                    // computes (a prompt's tokens re-read rows that are already cached).
+                    let next = if unit + 1 < end {
                         let (t, h) = ((unit + 1) / units, ((unit + 1) % units) * per);
                         let (ci, pos) = tok[t];
                         let ch = &chunks[ci as usize];
-                        if ch.tokens.len() == 1 {
-                            let (nk, nv) = kvc.heads(li, h / group, ch.block_table);
-                            nk.prefetch(pos as usize + 1);
-                            nv.prefetch(pos as usize + 1);
-                        }
-                    }
+                        let (keys, values) = kvc.heads(li, h / group, ch.block_table);
+                        let n_pos = pos as usize + 1;
+                        (ch.tokens.len() == 1).then_some(ops::NextRows { keys, values, n_pos })
+                    } else {
+                        None
+                    };
                     let (t, h) = (unit / units, (unit % units) * per);
                     let (ci, pos) = tok[t];
                     let (keys, values) = kvc.heads(li, h / group, chunks[ci as usize].block_table);
@@ -333,7 +333,8 @@ impl LlamaModel {
                     let qh = &q[t * qd + h * hd..t * qd + (h + per) * hd];
                     let mode = chunks[ci as usize].mode;
                     let n_pos = pos as usize + 1;
-                    if attention_group(k, mode, qh, per, &keys, &values, n_pos, scale, sc, o)
+                    let next = next.as_ref();
+                    if attention_group(k, mode, qh, per, &keys, &values, n_pos, scale, next, sc, o)
                         .is_err()
                     {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -17,8 +17,12 @@ pub struct KvCache {
     block_size: usize,
     n_kv_heads: usize,
     head_dim: usize,
-    k: Vec<Vec<f16>>,
-    v: Vec<Vec<f16>>,
+    /// Elements of one layer's keys (or values).
+    per_layer: usize,
+    /// Keys of every layer, layer after layer (one allocation: see [`KvCache::new`]).
+    k: Vec<f16>,
+    /// Values, as `k`.
+    v: Vec<f16>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -43,18 +47,29 @@ impl KvCache {
             .checked_mul(block_size)
             .and_then(|v| v.checked_mul(cfg.kv_dim()))
             .ok_or_else(|| ModelError::Config("KV cache size overflows".into()))?;
+        let total = per_layer
+            .checked_mul(cfg.n_layer)
+            .ok_or_else(|| ModelError::Config("KV cache size overflows".into()))?;
         // Allocated as zeroed memory (`u16` zeros take the allocator's zeroed path, which
         // `f16` does not), so the pages stay untouched until blocks are first written: no
-        // start-up pass over the whole budget, and resident memory grows with use.
-        let alloc = || bytemuck::allocation::cast_vec::<u16, f16>(vec![0u16; per_layer]);
+        // start-up pass over the whole budget, and resident memory grows with use. One
+        // allocation for all layers, backed by transparent huge pages where the kernel
+        // allows: decode attention reads each sequence's rows from blocks scattered over
+        // the cache, and with 4 KiB pages nearly every block costs a TLB miss.
+        let alloc = || {
+            let v = bytemuck::allocation::cast_vec::<u16, f16>(vec![0u16; total]);
+            crate::cpu::advise_huge_pages(v.as_ptr().cast(), std::mem::size_of_val(&v[..]));
+            v
+        };
         Ok(KvCache {
             n_layer: cfg.n_layer,
             n_blocks,
             block_size,
             n_kv_heads: cfg.n_head_kv,
             head_dim: cfg.head_dim,
-            k: (0..cfg.n_layer).map(|_| alloc()).collect(),
-            v: (0..cfg.n_layer).map(|_| alloc()).collect(),
+            per_layer,
+            k: alloc(),
+            v: alloc(),
         })
     }
 
@@ -90,10 +105,11 @@ impl KvCache {
         to_f16: fn(&[f32], &mut [f16]),
     ) {
         let hd = self.head_dim;
+        let base = layer * self.per_layer;
         for h in 0..self.n_kv_heads {
-            let at = ((block * self.n_kv_heads + h) * self.block_size + slot) * hd;
-            to_f16(&k[h * hd..(h + 1) * hd], &mut self.k[layer][at..at + hd]);
-            to_f16(&v[h * hd..(h + 1) * hd], &mut self.v[layer][at..at + hd]);
+            let at = base + ((block * self.n_kv_heads + h) * self.block_size + slot) * hd;
+            to_f16(&k[h * hd..(h + 1) * hd], &mut self.k[at..at + hd]);
+            to_f16(&v[h * hd..(h + 1) * hd], &mut self.v[at..at + hd]);
         }
     }
 
@@ -112,7 +128,8 @@ impl KvCache {
             head_dim: self.head_dim,
             kv_head,
         };
-        (mk(&self.k[layer]), mk(&self.v[layer]))
+        let layer = layer * self.per_layer..(layer + 1) * self.per_layer;
+        (mk(&self.k[layer.clone()]), mk(&self.v[layer]))
     }
 
     /// Bytes of one block in one layer (keys or values).
@@ -127,8 +144,9 @@ impl KvCache {
         }
         let n = self.n_kv_heads * self.block_size * self.head_dim;
         for l in 0..self.n_layer {
-            self.k[l].copy_within(src * n..(src + 1) * n, dst * n);
-            self.v[l].copy_within(src * n..(src + 1) * n, dst * n);
+            let base = l * self.per_layer;
+            self.k.copy_within(base + src * n..base + (src + 1) * n, base + dst * n);
+            self.v.copy_within(base + src * n..base + (src + 1) * n, base + dst * n);
         }
         Ok(())
     }

@@ -7,7 +7,7 @@ use kvx_gguf::{GgmlType, GgufFile};
 
 use super::{LlamaConfig, ModelError};
 use crate::cpu::Kernels;
-use crate::cpu::lanes::{LANE_ROWS, LaneMath, LaneMatrix};
+use crate::cpu::lanes::{LANE_ROWS, LaneArena, LaneMath, LaneMatrix};
 use crate::ops::QMatrix;
 
 /// A weight matrix inside the model file: validated at load, viewed as a [`QMatrix`] at use.
@@ -164,37 +164,50 @@ impl LlamaModel {
             return Ok(0);
         }
         let file = self.file.clone();
-        let mut bytes = 0;
-        let mut one = |m: &mut MatRef| -> Result<(), ModelError> {
-            if m.lanes.is_some() || !LaneMatrix::supports(m.ty) || !m.rows.is_multiple_of(LANE_ROWS)
-            {
-                return Ok(());
-            }
-            let data = file.bytes().get(m.range.clone()).ok_or_else(|| {
+        // The matrices to copy, in the order a step reads them (the output head last), into
+        // one arena (`LaneArena`: huge pages for the weight streams).
+        let mut todo: Vec<&mut MatRef> = self
+            .layers
+            .iter_mut()
+            .flat_map(|l| {
+                [
+                    &mut l.wq,
+                    &mut l.wk,
+                    &mut l.wv,
+                    &mut l.wo,
+                    &mut l.w_gate,
+                    &mut l.w_up,
+                    &mut l.w_down,
+                ]
+            })
+            .chain(std::iter::once(&mut self.output))
+            .filter(|m| {
+                m.lanes.is_none() && LaneMatrix::supports(m.ty) && m.rows.is_multiple_of(LANE_ROWS)
+            })
+            .collect();
+        let src = |m: &MatRef| {
+            file.bytes().get(m.range.clone()).ok_or_else(|| {
                 ModelError::Config(format!("tensor {} lies outside the file", m.name))
-            })?;
-            let l = LaneMatrix::repack(math, m.ty, m.rows, m.cols, data)
+            })
+        };
+        let mut lines = 0;
+        for m in &todo {
+            lines += LaneMatrix::lines_for(m.ty, m.rows, m.cols, src(m)?.len())
                 .map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))?;
-            bytes += l.bytes();
-            m.lanes = Some(l);
+        }
+        let mut arena = LaneArena::with_lines(lines);
+        for m in &todo {
+            arena
+                .push(math, m.ty, m.rows, m.cols, src(m)?)
+                .map_err(|e| ModelError::Config(format!("tensor {}: {e}", m.name)))?;
             // Products read the copy from now on: the file's pages of this matrix need not
             // stay resident (token embedding rows, if tied, fault back in as they are read).
             file.release(m.range.clone());
-            Ok(())
-        };
-        one(&mut self.output)?;
-        for l in &mut self.layers {
-            for m in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.w_gate,
-                &mut l.w_up,
-                &mut l.w_down,
-            ] {
-                one(m)?;
-            }
+        }
+        let mut bytes = 0;
+        for (m, l) in todo.iter_mut().zip(arena.finish()) {
+            bytes += l.bytes();
+            m.lanes = Some(l);
         }
         Ok(bytes)
     }
