@@ -572,7 +572,10 @@ pub(crate) fn rope_neox_inline(x: &mut [f32], cache: &[f32], n_dims: usize) {
 
 /// One sequence's keys or values for one KV head, spread over fixed-size blocks.
 ///
-/// `data` is a layer's whole cache laid out `[block][kv_head][slot][head_dim]`.
+/// `data` starts at block 0 of a layer's cache; block `b` of the layer starts
+/// `b * block_stride` elements in and holds `[kv_head][slot][head_dim]` (a cache of one
+/// layer has `block_stride = n_kv_heads * block_size * head_dim`; [`crate::model::KvCache`]
+/// keeps a block's layers together, so its stride spans every layer).
 #[derive(Debug, Clone, Copy)]
 pub struct PagedHead<'a> {
     /// The layer's cache.
@@ -581,8 +584,8 @@ pub struct PagedHead<'a> {
     pub block_table: &'a [u32],
     /// Token slots per block.
     pub block_size: usize,
-    /// KV heads per block.
-    pub n_kv_heads: usize,
+    /// Elements from the start of one block to the next.
+    pub block_stride: usize,
     /// Elements per head.
     pub head_dim: usize,
     /// Which KV head.
@@ -594,7 +597,7 @@ impl<'a> PagedHead<'a> {
     /// `block_size` rows of `head_dim` follow one another).
     #[inline]
     pub fn block_start(&self, block: u32) -> usize {
-        (block as usize * self.n_kv_heads + self.kv_head) * self.block_size * self.head_dim
+        block as usize * self.block_stride + self.kv_head * self.block_size * self.head_dim
     }
 
     /// Asks for the rows of positions `lo..hi` to be fetched into L2 (a hint; rows outside

@@ -438,7 +438,7 @@ fn paged_attention_matches_reference() {
                         data,
                         block_table: &c.table,
                         block_size,
-                        n_kv_heads: n_kv,
+                        block_stride: n_kv * block_size * hd,
                         head_dim: hd,
                         kv_head,
                     };
@@ -493,7 +493,7 @@ fn fused_attention_is_bit_identical_to_the_generic_path() {
                             data,
                             block_table: &c.table,
                             block_size,
-                            n_kv_heads: n_kv,
+                            block_stride: n_kv * block_size * hd,
                             head_dim: hd,
                             kv_head: h / 2,
                         };
@@ -569,7 +569,7 @@ fn grouped_attention_is_bit_identical_per_head() {
                         data,
                         block_table: &c.table,
                         block_size,
-                        n_kv_heads: 2,
+                        block_stride: 2 * block_size * hd,
                         head_dim: hd,
                         kv_head: 1,
                     };
@@ -670,7 +670,7 @@ fn attention_reports_short_block_tables_and_bad_shapes() {
         data,
         block_table: table,
         block_size: bs,
-        n_kv_heads: n_kv,
+        block_stride: n_kv * bs * hd,
         head_dim: hd,
         kv_head: 0,
     };

@@ -285,7 +285,7 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     let same_layout = vd == hd
         && std::ptr::eq(keys.block_table, values.block_table)
         && keys.block_size == values.block_size
-        && keys.n_kv_heads == values.n_kv_heads
+        && keys.block_stride == values.block_stride
         && keys.kv_head == values.kv_head
         && keys.data.len() == values.data.len();
 
