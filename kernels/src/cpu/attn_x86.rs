@@ -333,9 +333,14 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
                 // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
                 s = _mm512_add_ps(s, _mm512_setzero_ps());
             }
-            let mut buf = [0.0f32; 16];
-            store16(&mut buf, s);
-            scores[g * n + p0..g * n + p0 + m].copy_from_slice(&buf[..m]);
+            let dst = &mut scores[g * n + p0..g * n + p0 + m];
+            if m == 16 {
+                store16(dst, s);
+            } else {
+                let mut buf = [0.0f32; 16];
+                store16(&mut buf, s);
+                dst.copy_from_slice(&buf[..m]);
+            }
         }
         p0 += m;
     }

@@ -373,30 +373,79 @@ fn v_expf_512(x: __m512) -> __m512 {
     _mm512_mask_blend_ps(d, res, alt)
 }
 
+/// `_mm512_reduce_add_ps` as GCC lowers it (the order [`Reduce::Zmm`] writes out): halves
+/// added 16 → 8 → 4, then `(v0 + v2) + (v1 + v3)`, in registers.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn reduce_add_zmm(v: __m512) -> f32 {
+    let a = _mm256_add_ps(_mm512_extractf32x8_ps::<1>(v), _mm512_castps512_ps256(v));
+    let b = _mm_add_ps(_mm256_extractf128_ps::<1>(a), _mm256_castps256_ps128(a));
+    // [b0 + b2, b1 + b3, ..], then lane 0 + lane 1.
+    let c = _mm_add_ps(b, _mm_shuffle_ps::<0b01_00_11_10>(b, b));
+    let d = _mm_add_ps(c, _mm_shuffle_ps::<0b10_11_00_01>(c, c));
+    _mm_cvtss_f32(d)
+}
+
+/// ggml's soft_max row at this level: scores scaled, their maximum, `exp(x - max)` by
+/// ggml's vectorized `expf` 16 at a time, each register's `_mm512_reduce_add_ps` added to
+/// an f64 sum in order, then one product with `1 / sum`. The scaling, the maximum and the
+/// normalization run 16 lanes at a time (the maximum is order-independent; a zero maximum,
+/// whose sign could depend on the order, is taken from the in-order scan).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 fn imp_softmax_512(x: &mut [f32], scale: f32) {
+    let n = x.len();
+    let main = n - n % 16;
+    let vs = _mm512_set1_ps(scale);
+    // `_mm512_max_ps(v, m)` keeps `m` when `v` is NaN or both are zeros, as `v > m` does.
+    let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+    for c in x[..main].chunks_exact_mut(16) {
+        let v = _mm512_mul_ps(load16(c), vs);
+        store16(c, v);
+        vmax = _mm512_max_ps(v, vmax);
+    }
     let mut max = f32::NEG_INFINITY;
-    for v in x.iter_mut() {
+    for &m in lanes16(vmax).iter() {
+        if m > max {
+            max = m;
+        }
+    }
+    for v in x[main..].iter_mut() {
         *v *= scale;
         if *v > max {
             max = *v;
         }
     }
+    if max == 0.0 {
+        max = f32::NEG_INFINITY;
+        for &v in x.iter() {
+            if v > max {
+                max = v;
+            }
+        }
+    }
     let mut sum = 0.0f64;
     let vmax = _mm512_set1_ps(max);
-    for chunk in x.chunks_mut(16) {
+    for c in x[..main].chunks_exact_mut(16) {
+        let e = v_expf_512(_mm512_sub_ps(load16(c), vmax));
+        store16(c, e);
+        sum += f64::from(reduce_add_zmm(e));
+    }
+    let tail = &mut x[main..];
+    if !tail.is_empty() {
         let mut buf = [f32::NEG_INFINITY; 16];
-        buf[..chunk.len()].copy_from_slice(chunk);
-        // SAFETY: `buf` holds 16 floats.
-        let v = unsafe { _mm512_loadu_ps(buf.as_ptr()) };
-        let mut e = lanes16(v_expf_512(_mm512_sub_ps(v, vmax)));
+        buf[..tail.len()].copy_from_slice(tail);
+        let mut e = lanes16(v_expf_512(_mm512_sub_ps(load16(&buf), vmax)));
         // Lanes past the row stand for ggml's masked (-inf) entries: exactly zero.
-        e[chunk.len()..].fill(0.0);
-        chunk.copy_from_slice(&e[..chunk.len()]);
+        e[tail.len()..].fill(0.0);
+        tail.copy_from_slice(&e[..tail.len()]);
         sum += f64::from(Reduce::Zmm.apply(&e));
     }
     let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
+    let vinv = _mm512_set1_ps(inv);
+    for c in x[..main].chunks_exact_mut(16) {
+        store16(c, _mm512_mul_ps(load16(c), vinv));
+    }
+    for v in x[main..].iter_mut() {
         *v *= inv;
     }
 }
@@ -422,6 +471,72 @@ fn imp_swiglu_512(g: &[f32], u: &[f32], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The row-at-a-time form of [`imp_softmax_512`] (its previous body): the twin the
+    /// vectorized scan and normalization are checked against, bit for bit.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+    fn softmax_512_twin(x: &mut [f32], scale: f32) {
+        let mut max = f32::NEG_INFINITY;
+        for v in x.iter_mut() {
+            *v *= scale;
+            if *v > max {
+                max = *v;
+            }
+        }
+        let mut sum = 0.0f64;
+        let vmax = _mm512_set1_ps(max);
+        for chunk in x.chunks_mut(16) {
+            let mut buf = [f32::NEG_INFINITY; 16];
+            buf[..chunk.len()].copy_from_slice(chunk);
+            let mut e = lanes16(v_expf_512(_mm512_sub_ps(load16(&buf), vmax)));
+            e[chunk.len()..].fill(0.0);
+            chunk.copy_from_slice(&e[..chunk.len()]);
+            sum += f64::from(Reduce::Zmm.apply(&e));
+        }
+        let inv = (1.0 / sum) as f32;
+        for v in x.iter_mut() {
+            *v *= inv;
+        }
+    }
+
+    #[test]
+    fn softmax_512_equals_its_row_at_a_time_twin_bit_for_bit() {
+        if !SimdLevel::Avx512.is_supported() {
+            return;
+        }
+        let mut seed = 7u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+            (seed >> 8) as f32 / 16777216.0 - 0.5
+        };
+        for n in (1..=70).chain([95, 96, 97, 200, 257, 512]) {
+            for (spread, scale) in [(1.0f32, 0.125f32), (30.0, 1.0), (1e3, 0.7), (1.0, -2.0)] {
+                for case in 0..4 {
+                    let x: Vec<f32> = (0..n)
+                        .map(|i| match case {
+                            // Masked entries; zeros of both signs as the maximum.
+                            1 if i % 5 == 2 => f32::NEG_INFINITY,
+                            2 => [0.0, -0.0, -1.0][i % 3],
+                            3 if i % 7 == 0 => -0.0,
+                            3 => -rnd().abs() * spread,
+                            _ => rnd() * spread,
+                        })
+                        .collect();
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    // SAFETY: AVX-512 checked above.
+                    unsafe { imp_softmax_512(&mut a, scale) };
+                    // SAFETY: as above.
+                    unsafe { softmax_512_twin(&mut b, scale) };
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&a),
+                        bits(&b),
+                        "n={n} spread={spread} scale={scale} case {case}"
+                    );
+                }
+            }
+        }
+    }
 
     fn halves(n: usize, seed: u32) -> Vec<f16> {
         (0..n)
