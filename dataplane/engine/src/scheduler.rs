@@ -4,7 +4,10 @@
 //! first every running sequence (a decode token, or the next chunk of its prompt), then
 //! waiting requests in arrival order (FCFS) with their uncached prompt tokens, chunked when
 //! the budget is smaller than the prompt. New requests reuse every full block whose sequence
-//! hash is already cached. When blocks run out, the most recently admitted running sequence
+//! hash is already cached, and a request whose next uncached prompt block is being computed
+//! in this very step by another sequence (a shared system prompt in a burst of requests)
+//! waits one step for it instead of computing it again. When blocks run out, the most
+//! recently admitted running sequence
 //! is preempted: its blocks are released (registered ones stay cached, so the recompute is
 //! mostly prefix hits) and it goes back to the front of the queue.
 //!
@@ -170,6 +173,9 @@ pub struct Scheduler {
     waiting: VecDeque<SeqId>,
     running: Vec<SeqId>,
     new_waiting: usize,
+    /// Sequence hashes of the prompt blocks this step completes (capacity reserved: a step
+    /// completes at most `max_batched_tokens / block_size + max_num_seqs` blocks).
+    in_flight: Vec<SequenceHash>,
 }
 
 impl Scheduler {
@@ -183,6 +189,9 @@ impl Scheduler {
             waiting: VecDeque::with_capacity(slots),
             running: Vec::with_capacity(cfg.max_num_seqs),
             new_waiting: 0,
+            in_flight: Vec::with_capacity(
+                cfg.max_batched_tokens / cfg.block_size.max(1) + cfg.max_num_seqs,
+            ),
             cfg,
         }
     }
@@ -287,6 +296,7 @@ impl Scheduler {
     /// Plans the next step into `out`.
     pub fn schedule(&mut self, out: &mut SchedulerOutput) {
         out.clear();
+        self.in_flight.clear();
         let mut budget = self.cfg.max_batched_tokens;
         let mut preempted_any = false;
 
@@ -330,18 +340,27 @@ impl Scheduler {
                 continue; // `running` shrank; the element at `i` is the next one
             }
             self.emit_chunks(sid, end, out);
+            self.note_in_flight(sid, end);
             budget -= n;
             i += 1;
         }
 
-        // Waiting requests, in order, unless this step had to preempt.
+        // Waiting requests, in order, unless this step had to preempt. One whose next
+        // uncached prompt block another sequence completes in this step stays queued (in
+        // its place) for one step, after which that block is a prefix-cache hit.
+        let mut at = 0;
         while !preempted_any && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(&sid) = self.waiting.front() else { break };
+            let Some(&sid) = self.waiting.get(at) else { break };
             self.match_prefix(sid);
             let Some(seq) = self.seqs[sid].as_ref() else {
-                self.waiting.pop_front();
+                self.waiting.remove(at);
                 continue;
             };
+            if self.waits_for_in_flight(seq) {
+                self.unmatch(sid);
+                at += 1;
+                continue;
+            }
             let remaining = seq.tokens.len() - seq.computed;
             let n = if self.cfg.chunked_prefill { remaining.min(budget) } else { remaining };
             if n > budget {
@@ -352,7 +371,7 @@ impl Scheduler {
                 self.unmatch(sid);
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(at);
             if let Some(seq) = self.seqs[sid].as_mut() {
                 seq.status = SeqStatus::Running;
                 if !seq.admitted_once {
@@ -363,8 +382,34 @@ impl Scheduler {
             }
             self.running.push(sid);
             self.emit_chunks(sid, end, out);
+            self.note_in_flight(sid, end);
             budget -= n;
         }
+    }
+
+    /// Records the prompt blocks of `sid` that its chunk up to `end` completes.
+    fn note_in_flight(&mut self, sid: SeqId, end: usize) {
+        if !self.cfg.prefix_caching {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs[sid].as_ref() else { return };
+        for &(_, h) in seq.hashes.iter().take(end / bs).skip(seq.computed / bs) {
+            if self.in_flight.len() == self.in_flight.capacity() {
+                break;
+            }
+            self.in_flight.push(h);
+        }
+    }
+
+    /// Whether the first prompt block `seq` would compute (after its prefix match) is one
+    /// that another sequence completes in this step.
+    fn waits_for_in_flight(&self, seq: &Sequence) -> bool {
+        let bs = self.cfg.block_size;
+        let k = seq.computed / bs;
+        // The last prompt token is always computed (for its logits): only blocks before it.
+        k < (seq.tokens.len() - 1) / bs
+            && seq.hashes.get(k).is_some_and(|&(_, h)| self.in_flight.contains(&h))
     }
 
     /// Splits `computed..end` of `sid` into chunks of one attention mode each.
@@ -646,6 +691,41 @@ mod tests {
         assert_eq!((chunk_b.start, chunk_b.len), (16, 3), "only the new tokens are computed");
         assert_eq!(s.seq(b).unwrap().cached_prompt, 16);
         assert_eq!(s.seq(a).unwrap().blocks[..4], s.seq(b).unwrap().blocks[..4]);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_burst_sharing_a_prefix_computes_it_once() {
+        // Three requests arrive together: two share an 8-token (two-block) prefix, the
+        // third shares nothing. The first and the third run at once; the second waits one
+        // step and then finds the shared blocks cached.
+        let mut s = Scheduler::new(cfg(64, 4), 32);
+        let prefix: Vec<u32> = (0..8).collect();
+        let p1: Vec<u32> = prefix.iter().copied().chain([100, 101]).collect();
+        let p2: Vec<u32> = prefix.iter().copied().chain([200, 201, 202]).collect();
+        let a = s.add(RequestId(1), &p1, 2, 0).unwrap();
+        let b = s.add(RequestId(2), &p2, 2, 0).unwrap();
+        let c = s.add(RequestId(3), &[50, 51, 52, 53, 54], 2, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        step(&mut s, &mut out);
+        let seqs: Vec<SeqId> = out.chunks.iter().map(|ch| ch.seq).collect();
+        assert_eq!(seqs, vec![a, c], "the sharer waits while its prefix is computed");
+        assert_eq!(s.num_waiting(), 1);
+        step(&mut s, &mut out);
+        let chunk_b = out.chunks.iter().find(|ch| ch.seq == b).unwrap();
+        assert_eq!((chunk_b.start, chunk_b.len), (8, 3), "only the new tokens are computed");
+        assert_eq!(s.seq(b).unwrap().cached_prompt, 8);
+        assert_eq!(s.seq(a).unwrap().blocks[..2], s.seq(b).unwrap().blocks[..2]);
+        s.check_invariants().unwrap();
+
+        // A prompt that is all shared prefix but its last block still computes that block
+        // itself only when nothing else does; a one-block prompt never waits.
+        let mut s = Scheduler::new(cfg(64, 4), 32);
+        let d = s.add(RequestId(4), &[9, 9, 9, 9, 1], 2, 0).unwrap();
+        let e = s.add(RequestId(5), &[9, 9, 9, 9], 2, 0).unwrap();
+        step(&mut s, &mut out);
+        let seqs: Vec<SeqId> = out.chunks.iter().map(|ch| ch.seq).collect();
+        assert_eq!(seqs, vec![d, e]);
         s.check_invariants().unwrap();
     }
 
