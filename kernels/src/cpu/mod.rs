@@ -205,7 +205,7 @@ pub fn prefetch_l2(data: &[u8]) {
 /// transparent huge pages (`madvise(MADV_HUGEPAGE)`, for systems whose THP setting is
 /// `madvise`). Call it on memory of one's own allocation before its pages are first
 /// touched. A hint without effect on contents; refusals are ignored.
-pub fn advise_huge_pages(start: *const u8, len: usize) {
+pub(crate) fn advise_huge_pages(start: *const u8, len: usize) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
