@@ -7,9 +7,9 @@
 //! hash is already cached, and a request whose next uncached prompt block is being computed
 //! in this very step by another sequence (a shared system prompt in a burst of requests)
 //! waits one step for it instead of computing it again. When blocks run out, the most
-//! recently admitted running sequence
-//! is preempted: its blocks are released (registered ones stay cached, so the recompute is
-//! mostly prefix hits) and it goes back to the front of the queue.
+//! recently admitted running sequence is preempted: its blocks are released (registered ones
+//! stay cached, so the recompute is mostly prefix hits) and it goes back to the front of the
+//! queue.
 //!
 //! The scheduler knows nothing about models, threads or sockets: the engine calls
 //! `schedule`, runs the forward pass, then `commit` and `append_token`. After construction it
