@@ -578,7 +578,7 @@ pub(crate) fn rope_neox_inline(x: &mut [f32], cache: &[f32], n_dims: usize) {
 /// keeps a block's layers together, so its stride spans every layer).
 #[derive(Debug, Clone, Copy)]
 pub struct PagedHead<'a> {
-    /// The layer's cache.
+    /// The cache from the layer's part of block 0 on (see the type's docs).
     pub data: &'a [f16],
     /// Blocks of the sequence, in position order.
     pub block_table: &'a [u32],

@@ -3,7 +3,8 @@
 //! Layout: `[block][layer][kv_head][slot][head_dim]` in f16, for keys and values
 //! separately: one head's keys within a block are contiguous for the attention dot
 //! products, and a block's layers lie together, so the blocks in use (the pool hands out
-//! low ids first) occupy one compact region and a block is copied in one piece. Which block holds which positions of a sequence is the caller's business
+//! low ids first) occupy one compact region and a block is copied in one piece. Which block
+//! holds which positions of a sequence is the caller's business
 //! (block tables); this type only stores and serves rows.
 
 use half::f16;
