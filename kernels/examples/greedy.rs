@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use kvx_kernels::cpu;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -25,7 +25,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut s = Scratch::new(&model, ids.len(), nb * bs, pool.n_threads());
     let mut logits = vec![0.0; model.cfg.n_vocab];
     let mode = if ids.len() > 1 { AttnMode::Prefill } else { AttnMode::Decode };
-    let chunk = SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: true, mode };
+    let chunk =
+        SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: Logits::Full, mode };
     model.forward(k, &pool, &[chunk], &mut kv, &mut s, &mut logits)?;
     for pos in ids.len()..ids.len() + steps {
         let mut idx: Vec<usize> = (0..logits.len()).collect();
@@ -36,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokens: std::slice::from_ref(&t),
             start_pos: pos,
             block_table: &table,
-            logits: true,
+            logits: Logits::Full,
             mode: AttnMode::Decode,
         };
         model.forward(k, &pool, &[chunk], &mut kv, &mut s, &mut logits)?;

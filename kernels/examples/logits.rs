@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvx_kernels::cpu;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,7 +50,8 @@ fn top(
     let mut s = Scratch::new(model, ids.len(), nb * bs, pool.n_threads());
     let mut logits = vec![0.0; model.cfg.n_vocab];
     let mode = if ids.len() > 1 { AttnMode::Prefill } else { AttnMode::Decode };
-    let chunk = SeqChunk { tokens: ids, start_pos: 0, block_table: &table, logits: true, mode };
+    let chunk =
+        SeqChunk { tokens: ids, start_pos: 0, block_table: &table, logits: Logits::Full, mode };
     model.forward(k, pool, &[chunk], &mut kv, &mut s, &mut logits)?;
     Ok(logits)
 }

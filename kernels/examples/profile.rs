@@ -5,7 +5,8 @@
 //! Usage: `profile MODEL.gguf THREADS TOKENS [SEQS]`: one prompt of TOKENS tokens, or with
 //! SEQS a decode step of SEQS sequences, each one new token after TOKENS cached positions
 //! (cache blocks scattered by a fixed permutation).
-//! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4).
+//! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4);
+//! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use std::time::Instant;
 use kvx_kernels::cpu;
 use kvx_kernels::cpu::lanes::LaneMath;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -69,18 +70,28 @@ fn profile(
         // Fill every sequence's cache with the prompt (untimed).
         for table in &tables {
             let mode = AttnMode::Prefill;
-            let chunk =
-                SeqChunk { tokens: &ids, start_pos: 0, block_table: table, logits: false, mode };
+            let chunk = SeqChunk {
+                tokens: &ids,
+                start_pos: 0,
+                block_table: table,
+                logits: Logits::Skip,
+                mode,
+            };
             model.forward(k, pool, &[chunk], &mut kv, &mut s, &mut logits)?;
         }
     }
     let one = [7u32];
+    // `HEAD=argmax`: decode rows want only their greedy token (the screened head).
+    let head = match std::env::var("HEAD").as_deref() {
+        Ok("argmax") => Logits::Argmax,
+        _ => Logits::Full,
+    };
     let chunks: Vec<SeqChunk<'_>> = match seqs {
         None => vec![SeqChunk {
             tokens: &ids,
             start_pos: 0,
             block_table: &tables[0],
-            logits: true,
+            logits: Logits::Full,
             mode: AttnMode::Prefill,
         }],
         Some(_) => tables
@@ -89,7 +100,7 @@ fn profile(
                 tokens: &one,
                 start_pos: n_tok,
                 block_table: t,
-                logits: true,
+                logits: head,
                 mode: AttnMode::Decode,
             })
             .collect(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvx_kernels::cpu;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::model::{AttnMode, KvCache, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,7 +24,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut s = Scratch::new(&model, ids.len(), nb * bs, pool.n_threads());
     let mut logits = vec![0.0; model.cfg.n_vocab];
     let mode = if ids.len() > 1 { AttnMode::Prefill } else { AttnMode::Decode };
-    let chunk = SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: true, mode };
+    let chunk =
+        SeqChunk { tokens: &ids, start_pos: 0, block_table: &table, logits: Logits::Full, mode };
     let mut err = None;
     model.forward_traced(
         k,

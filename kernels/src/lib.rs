@@ -5,10 +5,12 @@
 //! * [`cpu`]: the kernel table for the CPU's best instruction set, chosen once at run time,
 //!   with [`cpu::reference`] as the scalar twin of every fast kernel.
 //! * [`ops`]: matrix products, rope and paged attention built on the table.
+//! * [`greedy`]: greedy output heads screened by fast products, settled by exact ones.
 //! * [`par`]: the fork-join pool that runs an op on a shard's threads.
 //! * [`model`]: the llama-family forward pass over a batch and a paged KV cache.
 
 pub mod cpu;
+pub mod greedy;
 pub mod model;
 pub mod ops;
 pub mod par;

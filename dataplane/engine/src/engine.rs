@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvx_kernels::cpu::Kernels;
-use kvx_kernels::model::{KvCache, LlamaModel, Scratch, SeqChunk};
+use kvx_kernels::model::{KvCache, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::hashing::seed_for;
 use kvx_proto::{
@@ -25,7 +25,7 @@ use crate::output::OutputState;
 use crate::sampler::{Sampler, SamplerState, SamplingParams};
 use crate::scheduler::{AddError, Scheduler, SchedulerConfig, SchedulerOutput, SeqId};
 
-/// What computes a step: fills one row of logits per chunk with `logits: true`, in order.
+/// What computes a step: fills one row of logits per chunk that wants one (`logits`), in order.
 pub trait Backend: Send {
     /// Runs the step.
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError>;
@@ -392,11 +392,22 @@ impl Engine {
         let mut chunks = recycle(std::mem::take(&mut self.chunk_buf));
         for c in &self.plan.chunks {
             if let Some(seq) = self.sched.seq(c.seq) {
+                // A greedy request that reads nothing but its token needs only the first
+                // maximum of its logits (the model may then screen the head).
+                let greedy_only = self.states[c.seq].as_ref().is_some_and(|st| {
+                    st.params.temperature == 0.0
+                        && !st.params.has_penalties()
+                        && st.logprobs.is_none()
+                });
                 chunks.push(SeqChunk {
                     tokens: &seq.tokens[c.start..c.start + c.len],
                     start_pos: c.start,
                     block_table: &seq.blocks,
-                    logits: c.logits,
+                    logits: match (c.logits, greedy_only) {
+                        (false, _) => Logits::Skip,
+                        (true, true) => Logits::Argmax,
+                        (true, false) => Logits::Full,
+                    },
                     mode: c.mode,
                 });
             }

@@ -77,14 +77,14 @@ impl Backend for MockBackend {
                 AttnMode::Decode if c.tokens.len() > 1 => prefill += c.tokens.len(),
                 AttnMode::Decode => decodes = true,
             }
-            if c.logits {
+            if c.logits.wanted() {
                 blocks += c.block_table.len();
             }
         }
         let usage = blocks as f64 / self.cfg.n_blocks.max(1) as f64;
         let ms = Self::step_ms(prefill, usage, decodes) / self.cfg.speedup.max(1e-9);
         let v = self.cfg.n_vocab;
-        for (row, c) in chunks.iter().filter(|c| c.logits).enumerate() {
+        for (row, c) in chunks.iter().filter(|c| c.logits.wanted()).enumerate() {
             let out = logits
                 .get_mut(row * v..(row + 1) * v)
                 .ok_or_else(|| EngineError::Internal("logits buffer too small".into()))?;

@@ -217,6 +217,12 @@ impl LaneMatrix {
         self.math
     }
 
+    /// The same records (shared, not copied) for products in `math`: the layout does not
+    /// depend on the arithmetic.
+    pub fn with_math(&self, math: LaneMath) -> LaneMatrix {
+        LaneMatrix { math, ..self.clone() }
+    }
+
     /// Element type of the original weights.
     pub fn ty(&self) -> GgmlType {
         self.ty

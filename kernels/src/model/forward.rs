@@ -25,10 +25,31 @@ pub struct SeqChunk<'a> {
     pub start_pos: usize,
     /// Blocks holding positions `0..start_pos + tokens.len()`, in order.
     pub block_table: &'a [u32],
-    /// Whether to produce logits for the last token of the chunk.
-    pub logits: bool,
+    /// What the last token of the chunk produces from the output head.
+    pub logits: Logits,
     /// Which of ggml's attention code paths the chunk's tokens follow (see [`AttnMode`]).
     pub mode: AttnMode,
+}
+
+/// What a chunk's last token produces from the output head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Nothing (a prompt chunk that does not end the prompt).
+    Skip,
+    /// The logits, bit for bit.
+    Full,
+    /// A row whose first maximum is the full logits' first maximum, all that a greedy
+    /// request without log-probabilities or penalties reads: when every row of a step is
+    /// of this kind the head is screened by fast products and settled exactly
+    /// ([`crate::greedy`]); the row's other values are then within rounding of the logits.
+    Argmax,
+}
+
+impl Logits {
+    /// Whether the chunk produces a row at all.
+    pub fn wanted(self) -> bool {
+        self != Logits::Skip
+    }
 }
 
 /// Working memory of the forward pass, sized once for a maximum step.
@@ -115,8 +136,9 @@ impl Scratch {
 }
 
 impl LlamaModel {
-    /// Runs one step. Writes the logits of every chunk with `logits: true` (in chunk order,
-    /// `n_vocab` each) to the front of `logits` and returns how many rows were written.
+    /// Runs one step. Writes the row of every chunk that wants one ([`Logits`]; in chunk
+    /// order, `n_vocab` each) to the front of `logits` and returns how many rows were written.
+    /// In the last layer only the tokens that produce rows go past the cache writes.
     pub fn forward(
         &self,
         k: &Kernels,
@@ -126,12 +148,13 @@ impl LlamaModel {
         s: &mut Scratch,
         logits: &mut [f32],
     ) -> Result<usize, ModelError> {
-        self.forward_traced(k, pool, chunks, kv, s, logits, &mut |_, _, _| {})
+        self.run(k, pool, chunks, kv, s, logits, true, &mut |_, _, _| {})
     }
 
     /// [`LlamaModel::forward`] that shows intermediate tensors to `trace(name, layer, data)`,
     /// named as llama.cpp names them (`attn_norm`, `Qcur`, `Kcur`, `Vcur`, `kqv_out`,
-    /// `ffn_inp`, `ffn_out`, `l_out`), each `tokens × width` row-major.
+    /// `ffn_inp`, `ffn_out`, `l_out`), each `tokens × width` row-major; every token goes
+    /// through every layer.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_traced(
         &self,
@@ -143,12 +166,28 @@ impl LlamaModel {
         logits: &mut [f32],
         trace: &mut dyn FnMut(&str, usize, &[f32]),
     ) -> Result<usize, ModelError> {
+        self.run(k, pool, chunks, kv, s, logits, false, trace)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        k: &Kernels,
+        pool: &ThreadPool,
+        chunks: &[SeqChunk<'_>],
+        kv: &mut KvCache,
+        s: &mut Scratch,
+        logits: &mut [f32],
+        prune_last: bool,
+        trace: &mut dyn FnMut(&str, usize, &[f32]),
+    ) -> Result<usize, ModelError> {
         let c = &self.cfg;
         let (d, qd, kvd, ff, hd) = (c.n_embd, c.q_dim(), c.kv_dim(), c.n_ff, c.head_dim);
 
         // Validate the whole step before touching anything.
         s.tok.clear();
         s.out_rows.clear();
+        let mut argmax_only = true;
         for (ci, ch) in chunks.iter().enumerate() {
             let end = ch.start_pos + ch.tokens.len();
             if ch.tokens.is_empty() {
@@ -178,11 +217,12 @@ impl LlamaModel {
             for i in 0..ch.tokens.len() {
                 s.tok.push((ci as u32, (ch.start_pos + i) as u32));
             }
-            if ch.logits {
+            if ch.logits.wanted() {
                 s.out_rows.push((s.tok.len() - 1) as u32);
+                argmax_only &= ch.logits == Logits::Argmax;
             }
         }
-        let n = s.tok.len();
+        let mut n = s.tok.len();
         if logits.len() < s.out_rows.len() * c.n_vocab {
             return Err(ModelError::Batch("logits buffer too small".into()));
         }
@@ -293,6 +333,28 @@ impl LlamaModel {
                     &s.v[t * kvd..(t + 1) * kvd],
                     k.f32_to_f16,
                 );
+            }
+            if prune_last && li + 1 == self.layers.len() && s.out_rows.len() < n {
+                // Past the last cache writes only the rows that produce logits matter: move
+                // their queries, residuals and token entries to the front (rows are computed
+                // independently, so their bits do not change).
+                if s.out_rows.is_empty() {
+                    return Ok(0);
+                }
+                for (j, &row) in s.out_rows.iter().enumerate() {
+                    let row = row as usize;
+                    if row != j {
+                        s.q.copy_within(row * qd..(row + 1) * qd, j * qd);
+                        s.x.copy_within(row * d..(row + 1) * d, j * d);
+                        s.tok[j] = s.tok[row];
+                    }
+                }
+                n = s.out_rows.len();
+                s.tok.truncate(n);
+                for (j, r) in s.out_rows.iter_mut().enumerate() {
+                    *r = j as u32;
+                }
+                balance_pairs(&s.tok, units, pool.n_threads(), &mut s.attn_bounds);
             }
 
             // Attention, parallel over (token, head group) units.
@@ -418,7 +480,35 @@ impl LlamaModel {
         }
         let wout = self.view(&self.output)?;
         let xq = quantize_activations(k, wout.act_ty(), &s.out_x[..m * d], d, act)?;
-        matmul(k, pool, &wout, xq, m, &mut logits[..m * c.n_vocab])?;
+        let logits = &mut logits[..m * c.n_vocab];
+        match self.head_screen().filter(|_| argmax_only && wout.uses_lanes(k)) {
+            Some(screen) => {
+                // Greedy rows only: fast products, then each row's possible maxima exactly.
+                let fast = wout.with_lanes(screen.fast())?;
+                matmul(k, pool, &fast, xq, m, logits)?;
+                let (v, row) = (c.n_vocab, xq.len() / m);
+                let out = DisjointOut::new(logits);
+                let failed = std::sync::atomic::AtomicBool::new(false);
+                let settle = |rows: std::ops::Range<usize>| {
+                    for j in rows {
+                        let l = out.range(j * v, v);
+                        let a = &xq[j * row..(j + 1) * row];
+                        if crate::greedy::settle_argmax(k, &wout, screen, a, l).is_err() {
+                            failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                };
+                if m > 1 && pool.n_threads() > 1 {
+                    pool.run(&|i, nt| settle(split_range(m, i, nt, 1)));
+                } else {
+                    settle(0..m);
+                }
+                if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(ModelError::Batch("greedy rows could not be settled".into()));
+                }
+            }
+            None => matmul(k, pool, &wout, xq, m, logits)?,
+        }
         Ok(m)
     }
 }

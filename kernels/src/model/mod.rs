@@ -7,7 +7,7 @@ mod kv;
 mod weights;
 
 pub use config::{LlamaConfig, RopeKind};
-pub use forward::{Scratch, SeqChunk};
+pub use forward::{Logits, Scratch, SeqChunk};
 pub use kv::KvCache;
 pub use weights::{LayerWeights, LlamaModel, MatRef};
 

@@ -8,6 +8,7 @@ use kvx_gguf::{GgmlType, GgufFile};
 use super::{LlamaConfig, ModelError};
 use crate::cpu::Kernels;
 use crate::cpu::lanes::{LANE_ROWS, LaneArena, LaneMath, LaneMatrix};
+use crate::greedy::HeadScreen;
 use crate::ops::QMatrix;
 
 /// A weight matrix inside the model file: validated at load, viewed as a [`QMatrix`] at use.
@@ -89,6 +90,9 @@ pub struct LlamaModel {
     pub rope_freqs: Option<Vec<f32>>,
     /// The blocks.
     pub layers: Vec<LayerWeights>,
+    /// The output head's fast screen for greedy rows ([`crate::greedy`]), once
+    /// [`LlamaModel::repack`] gave the head an exact row-lane copy.
+    head_screen: Option<HeadScreen>,
 }
 
 impl LlamaModel {
@@ -141,6 +145,7 @@ impl LlamaModel {
             tied_embeddings,
             rope_freqs,
             layers,
+            head_screen: None,
         };
         // Every matrix must be viewable: this checks types, sizes and alignment once.
         model.view(&model.tok_embd)?;
@@ -209,7 +214,16 @@ impl LlamaModel {
             bytes += l.bytes();
             m.lanes = Some(l);
         }
+        if math == LaneMath::Exact {
+            self.head_screen = self.output.lanes.as_ref().and_then(HeadScreen::new);
+        }
         Ok(bytes)
+    }
+
+    /// The output head's screen for rows that want only their greedy token (see
+    /// [`crate::greedy`]), where the head has an exact row-lane copy.
+    pub fn head_screen(&self) -> Option<&HeadScreen> {
+        self.head_screen.as_ref()
     }
 
     /// The model file.
