@@ -6,7 +6,8 @@
 //! SEQS a decode step of SEQS sequences, each one new token after TOKENS cached positions
 //! (cache blocks scattered by a fixed permutation).
 //! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4);
-//! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`).
+//! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`);
+//! `BS` sets the tokens per cache block (16).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -53,7 +54,7 @@ fn profile(
     name: &str,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let ids: Vec<u32> = (0..n_tok as u32).map(|i| 100 + i * 7 % 5000).collect();
-    let bs = 16;
+    let bs: usize = std::env::var("BS").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
     let n_seq = seqs.unwrap_or(1);
     let nb = (n_tok + 1).div_ceil(bs);
     let mut kv = KvCache::new(&model.cfg, nb * n_seq, bs)?;
