@@ -21,10 +21,10 @@
 //! `|F − E|`, the exact first maximum `e` has `E_e ≥ max F − B`, hence `F_e ≥ max F − 2B`:
 //! every row below that threshold is out.
 
-use crate::KernelError;
-use crate::cpu::Kernels;
 use half::f16;
 
+use crate::KernelError;
+use crate::cpu::Kernels;
 use crate::cpu::lanes::{LANE_ROWS, LaneMath, LaneMatrix, d_offset, rec_lines};
 use crate::ops::QMatrix;
 use crate::quant::{BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
