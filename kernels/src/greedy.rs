@@ -278,17 +278,18 @@ mod tests {
         bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
     }
 
-    /// One token's products with `w` (rows × cols of `ty` in `raw`) exactly, fast and
-    /// screened-then-settled; returns (exact, settled, rows recomputed, the first maximum
-    /// that settling only the rows at the fast maximum would give).
-    fn products(
+    /// Builds the head `rows` × `x.len()` of `ty` in `raw` (row-lane copy, screen), quantizes
+    /// one token `x` for it and hands `f` the head, its screen, the token's activations and
+    /// the exact products.
+    fn with_head<R>(
         k: &Kernels,
         pool: &ThreadPool,
         ty: GgmlType,
         rows: usize,
         raw: &[u16],
         x: &[f32],
-    ) -> (Vec<f32>, Vec<f32>, usize, (usize, u32)) {
+        f: impl FnOnce(&QMatrix<'_>, &HeadScreen, &[u8], Vec<f32>) -> R,
+    ) -> R {
         let cols = x.len();
         let bytes: &[u8] = bytemuck::cast_slice(raw);
         let lanes = LaneMatrix::repack(LaneMath::Exact, ty, rows, cols, bytes).unwrap();
@@ -299,14 +300,30 @@ mod tests {
             .unwrap();
         let mut exact = vec![0.0; rows];
         matmul(k, pool, &w, xq, 1, &mut exact).unwrap();
-        let fw = w.with_lanes(screen.fast()).unwrap();
-        let mut fast = vec![0.0; rows];
-        matmul(k, pool, &fw, xq, 1, &mut fast).unwrap();
-        let mut settled = fast.clone();
-        let n = settle_argmax(k, &w, &screen, xq, &mut settled).unwrap();
-        let max = first_max(&fast).1;
-        settle(k, &w, xq, &mut fast, f32::from_bits(max), Some(0.0)).unwrap();
-        (exact, settled, n, first_max(&fast))
+        f(&w, &screen, xq, exact)
+    }
+
+    /// One token's products with the head of `with_head` exactly and screened-then-settled;
+    /// returns (exact, settled, rows recomputed, the first maximum that settling only the rows
+    /// at the fast maximum would give).
+    fn products(
+        k: &Kernels,
+        pool: &ThreadPool,
+        ty: GgmlType,
+        rows: usize,
+        raw: &[u16],
+        x: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, usize, (usize, u32)) {
+        with_head(k, pool, ty, rows, raw, x, |w, screen, xq, exact| {
+            let fw = w.with_lanes(screen.fast()).unwrap();
+            let mut fast = vec![0.0; rows];
+            matmul(k, pool, &fw, xq, 1, &mut fast).unwrap();
+            let mut settled = fast.clone();
+            let n = settle_argmax(k, w, screen, xq, &mut settled).unwrap();
+            let max = first_max(&fast).1;
+            settle(k, w, xq, &mut fast, f32::from_bits(max), Some(0.0)).unwrap();
+            (exact, settled, n, first_max(&fast))
+        })
     }
 
     #[test]
@@ -414,28 +431,20 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(7);
         let (rows, cols) = (32, 64);
         let raw = weights(&mut rng, GgmlType::Q8_0, rows, cols);
-        let bytes: &[u8] = bytemuck::cast_slice(&raw);
-        let lanes = LaneMatrix::repack(LaneMath::Exact, GgmlType::Q8_0, rows, cols, bytes).unwrap();
-        let w =
-            QMatrix::new(GgmlType::Q8_0, rows, cols, bytes).unwrap().with_lanes(&lanes).unwrap();
-        let screen = HeadScreen::new(&lanes).unwrap();
         let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let mut act = vec![0u32; activation_bytes(w.act_ty(), cols, 1).unwrap().div_ceil(4)];
-        let xq = quantize_activations(k, w.act_ty(), &x, cols, bytemuck::cast_slice_mut(&mut act))
-            .unwrap();
-        let mut exact = vec![0.0; rows];
-        matmul(k, &pool, &w, xq, 1, &mut exact).unwrap();
-        let mut row = vec![f32::NAN; rows];
-        assert_eq!(settle_argmax(k, &w, &screen, xq, &mut row).unwrap(), rows);
-        assert_eq!(
-            row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            exact.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
-        // Every row ties for the maximum: every row is recomputed.
-        let mut flat = vec![1.0; rows];
-        assert_eq!(settle(k, &w, xq, &mut flat, 1.0, Some(0.0)).unwrap(), rows);
-        // Mismatched operands are refused.
-        assert!(settle_argmax(k, &w, &screen, &xq[1..], &mut row).is_err());
-        assert!(settle_argmax(k, &w, &screen, xq, &mut row[1..]).is_err());
+        with_head(k, &pool, GgmlType::Q8_0, rows, &raw, &x, |w, screen, xq, exact| {
+            let mut row = vec![f32::NAN; rows];
+            assert_eq!(settle_argmax(k, w, screen, xq, &mut row).unwrap(), rows);
+            assert_eq!(
+                row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                exact.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            // Every row ties for the maximum: every row is recomputed.
+            let mut flat = vec![1.0; rows];
+            assert_eq!(settle(k, w, xq, &mut flat, 1.0, Some(0.0)).unwrap(), rows);
+            // Mismatched operands are refused.
+            assert!(settle_argmax(k, w, screen, &xq[1..], &mut row).is_err());
+            assert!(settle_argmax(k, w, screen, xq, &mut row[1..]).is_err());
+        });
     }
 }
