@@ -7,7 +7,9 @@
 //! that decodes at KV usage `p` (fraction of blocks in use) takes `−25.74·p² + 54.01·p + 5.74`
 //! ms; both are divided by `speedup`. Tokens are drawn from a deterministic hash of the
 //! position so runs are reproducible; end-of-generation ids can be avoided so requests run
-//! to `max_tokens`.
+//! to `max_tokens`. The drawn token's logit stands [`HOT_LOGIT`] above all others, so any
+//! sampling a request asks for (temperatures up to 2, penalties, truncations) picks it: the
+//! token stream does not depend on the sampler's random draws.
 
 use std::time::{Duration, Instant};
 
@@ -15,6 +17,10 @@ use kvx_kernels::model::{AttnMode, SeqChunk};
 
 use crate::EngineError;
 use crate::engine::Backend;
+
+/// The logit of the mocker's token; every other logit is 0. At temperature 2 the other
+/// 49k tokens of a real vocabulary together have a probability below 1e-16.
+pub const HOT_LOGIT: f32 = 100.0;
 
 /// Mocker settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +70,14 @@ impl MockBackend {
             h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9).wrapping_add(1);
         }
     }
+
+    /// One row of logits: [`HOT_LOGIT`] at the drawn token, 0 elsewhere.
+    fn fill_logits(&self, out: &mut [f32], pos: usize, seed: u32) {
+        out.fill(0.0);
+        if let Some(l) = out.get_mut(self.token(pos, seed) as usize) {
+            *l = HOT_LOGIT;
+        }
+    }
 }
 
 impl Backend for MockBackend {
@@ -88,10 +102,8 @@ impl Backend for MockBackend {
             let out = logits
                 .get_mut(row * v..(row + 1) * v)
                 .ok_or_else(|| EngineError::Internal("logits buffer too small".into()))?;
-            out.fill(0.0);
-            let pos = c.start_pos + c.tokens.len();
             let seed = c.tokens.first().copied().unwrap_or(0);
-            out[self.token(pos, seed) as usize] = 1.0;
+            self.fill_logits(out, c.start_pos + c.tokens.len(), seed);
         }
         // Wait out the simulated step, measured from the end of the previous one so that
         // engine overhead is part of the budget rather than added to it.
@@ -144,6 +156,47 @@ mod tests {
             (MockBackend::step_ms(0, 0.5, true) - (-25.74 * 0.25 + 27.005 + 5.74)).abs() < 1e-9
         );
         assert_eq!(MockBackend::step_ms(0, 0.3, false), 0.0);
+    }
+
+    /// Whatever sampling a request asks for, the mocker's token is the one drawn, so a
+    /// request whose end-of-generation ids are avoided runs to `max_tokens` (with a hot
+    /// logit of 1 a temperature-1 draw over a 49k vocabulary picks it 0.005 % of the time).
+    #[test]
+    fn every_sampling_draws_the_mocker_token() {
+        use crate::sampler::{Sampler, SamplerState, SamplingParams};
+        let n_vocab = 49_152;
+        let m = MockBackend::new(MockConfig {
+            n_vocab,
+            n_blocks: 8,
+            speedup: 1e9,
+            avoid: vec![0, 1, 2],
+        });
+        let mut logits = vec![0.0f32; n_vocab];
+        let mut sampler = Sampler::new(n_vocab);
+        let prompt: Vec<u32> = (0..64).collect();
+        for seed in 0..40u64 {
+            let params = SamplingParams {
+                temperature: 0.5 + (seed % 4) as f32 * 0.5,
+                top_k: [0, 40][seed as usize % 2],
+                top_p: [1.0, 0.9][seed as usize / 2 % 2],
+                min_p: [0.0, 0.05][seed as usize / 4 % 2],
+                presence_penalty: 2.0,
+                frequency_penalty: 2.0,
+                repetition_penalty: 1.5,
+                seed: Some(seed),
+            };
+            let mut state = SamplerState::new(&params, seed);
+            let mut output = Vec::new();
+            for pos in 0..50 {
+                // A small position range repeats tokens, so the penalties hit the hot one.
+                m.fill_logits(&mut logits, pos % 7, seed as u32);
+                let want = m.token(pos % 7, seed as u32);
+                sampler.apply_penalties(&params, &mut logits, &prompt, &output);
+                let got = sampler.sample(&params, &mut state, &logits, true);
+                assert_eq!(got.token, want, "seed {seed} pos {pos}: {params:?}");
+                output.push(got.token);
+            }
+        }
     }
 
     #[test]
