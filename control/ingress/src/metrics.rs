@@ -49,6 +49,11 @@ pub struct Metrics {
     worker_kv_total: Family<WorkerLabel, Gauge>,
     worker_kv_usage: Family<WorkerLabel, GaugeF>,
     worker_hit_rate: Family<WorkerLabel, GaugeF>,
+    worker_finished: Family<WorkerLabel, Counter>,
+    worker_generated: Family<WorkerLabel, Counter>,
+    worker_prefilled: Family<WorkerLabel, Counter>,
+    worker_preemptions: Family<WorkerLabel, Counter>,
+    worker_steps: Family<WorkerLabel, Counter>,
     running: Gauge,
     waiting: Gauge,
     kv_active: Gauge,
@@ -119,6 +124,15 @@ impl Metrics {
                 "Cached prompt tokens / prompt tokens",
                 GaugeF
             ),
+            worker_finished: fam!("worker_requests_finished", "Requests finished", Counter),
+            worker_generated: fam!("worker_generated_tokens", "Tokens generated", Counter),
+            worker_prefilled: fam!(
+                "worker_prefill_tokens",
+                "Prompt (and recomputed) tokens computed",
+                Counter
+            ),
+            worker_preemptions: fam!("worker_preemptions", "Sequences preempted", Counter),
+            worker_steps: fam!("worker_steps", "Engine steps run", Counter),
             running: one!("running_requests", "Sequences computing, all workers", Gauge),
             waiting: one!("queue_depth", "Requests waiting for admission, all workers", Gauge),
             kv_active: one!("kv_blocks_active", "KV blocks in use, all workers", Gauge),
@@ -172,6 +186,16 @@ impl Metrics {
             self.worker_kv_total.get_or_create(&l).set(i64::from(m.load.total_blocks));
             self.worker_kv_usage.get_or_create(&l).set(f64::from(m.load.kv_usage()));
             self.worker_hit_rate.get_or_create(&l).set(m.prefix_hit_rate());
+            // The worker's own totals since it started (a restarted worker starts again at 0).
+            for (f, v) in [
+                (&self.worker_finished, m.finished),
+                (&self.worker_generated, m.generated_tokens),
+                (&self.worker_prefilled, m.prefill_tokens),
+                (&self.worker_preemptions, m.preemptions),
+                (&self.worker_steps, m.steps),
+            ] {
+                f.get_or_create(&l).inner().store(v, std::sync::atomic::Ordering::Relaxed);
+            }
             run += i64::from(m.load.active_seqs);
             wait += i64::from(m.load.waiting);
             act += i64::from(m.load.active_blocks);
@@ -245,6 +269,8 @@ mod tests {
                 },
                 prompt_tokens: prompt,
                 cached_tokens: cached,
+                generated_tokens: 3 * prompt,
+                finished: id + 7,
                 ..Default::default()
             },
         };
@@ -258,6 +284,9 @@ mod tests {
             "kvx_running_requests 2",
             "kvx_prefix_cache_hit_rate 0.25",
             "kvx_worker_prefix_cache_hit_rate{worker=\"0\"} 0.5",
+            "kvx_worker_generated_tokens_total{worker=\"1\"} 300",
+            "kvx_worker_requests_finished_total{worker=\"1\"} 8",
+            "kvx_worker_steps_total{worker=\"0\"} 0",
             "kvx_router_decisions 3",
             "kvx_time_to_first_token_seconds_count 1",
         ] {

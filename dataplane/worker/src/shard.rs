@@ -209,10 +209,7 @@ pub fn spawn(
                 pin_current(c);
             }
             match make_engine() {
-                Ok(engine) => {
-                    let _ = ready_tx.send(Ok(()));
-                    run(engine, rx, st, events);
-                }
+                Ok(engine) => run(engine, rx, st, events, ready_tx),
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                 }
@@ -242,11 +239,14 @@ struct Loop {
     draining: Option<Instant>,
 }
 
+/// The shard's loop; `ready` is told once the first status (the empty engine's load, under
+/// the engine's worker id) is published.
 fn run(
     engine: Engine,
     rx: Receiver<Command>,
     status: Arc<Mutex<ShardStatus>>,
     events: Option<SyncSender<ShardEvent>>,
+    ready: mpsc::SyncSender<Result<(), EngineError>>,
 ) {
     let worker_id = engine.config().worker_id;
     let mut l = Loop {
@@ -258,6 +258,8 @@ fn run(
         worker_id,
         draining: None,
     };
+    l.publish_status();
+    let _ = ready.send(Ok(()));
     let mut inbox_open = true;
     loop {
         // Take every pending command without blocking while there is work.

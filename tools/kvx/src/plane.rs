@@ -147,6 +147,12 @@ impl Dispatcher for LocalPlane {
         let t0 = Instant::now();
         let first = {
             let mut r = self.router();
+            // In-process shards publish their load every step: decide on the current one
+            // rather than the last periodic report (a second old, it makes a shard whose
+            // long sequences have just finished look full).
+            for sh in &s.shards {
+                r.apply_load(&sh.status().load);
+            }
             let d = r.route(id, &blocks, now);
             r.record_decision_latency(t0.elapsed());
             d
@@ -275,5 +281,78 @@ impl Drop for LocalPlane {
         if let Some(f) = self.feed.take() {
             let _ = f.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::sync_channel;
+
+    use kvx_engine::mocker::{MockBackend, MockConfig};
+    use kvx_engine::scheduler::SchedulerConfig;
+    use kvx_engine::{Engine, EngineConfig};
+    use kvx_proto::{LoadReport, SamplingOptions, StopConditions};
+    use kvx_worker::ShardConfig;
+
+    use super::*;
+
+    fn request(id: u64, len: u32, max_tokens: u32) -> GenerateRequest {
+        GenerateRequest {
+            id: RequestId(id),
+            prompt: (0..len).map(|t| 1 + (t * 7 + id as u32) % 60).collect(),
+            sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
+            stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
+            logprobs: None,
+            salt: None,
+        }
+    }
+
+    /// Two mocker shards (real time: a decode step takes ~6 ms) behind a plane.
+    fn plane() -> LocalPlane {
+        let (tx, rx) = sync_channel(1 << 12);
+        let shards = (0..2)
+            .map(|i| {
+                let make = move || {
+                    let sched = SchedulerConfig { max_model_len: 4096, ..Default::default() };
+                    let mock =
+                        MockConfig { n_vocab: 64, n_blocks: 256, speedup: 1.0, avoid: Vec::new() };
+                    let ec = EngineConfig { sched, worker_id: worker_id(i) };
+                    Ok(Engine::new(ec, Box::new(MockBackend::new(mock)), None))
+                };
+                let cfg = ShardConfig { index: i, core: None, inbox_capacity: 64 };
+                kvx_worker::spawn(cfg, make, Some(tx.clone())).expect("shard")
+            })
+            .collect();
+        LocalPlane::new(shards, RouterConfig::default(), rx).expect("plane")
+    }
+
+    /// A periodic load report taken while a shard was busy must not steer a request away from
+    /// it once it is idle: the plane decides on the shards' current loads.
+    #[test]
+    fn routing_uses_the_shards_current_load_not_a_stale_report() {
+        let p = plane();
+        // Shard 2 (worker 2) runs a request the router did not place.
+        let (tx, mut running) = unbounded_channel();
+        p.shared.shards[1].submit(request(1, 64, 2000), tx).expect("submit");
+        let t0 = Instant::now();
+        while p.shared.shards[1].status().load.active_blocks == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "shard 2 never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The last periodic report of shard 1 was taken when it was full.
+        let stale = LoadReport {
+            worker_id: 1,
+            active_seqs: 8,
+            active_blocks: 200,
+            free_blocks: 56,
+            total_blocks: 256,
+            ..Default::default()
+        };
+        assert!(p.router().apply_load(&stale));
+        let _out = p.submit(request(2, 64, 4)).expect("routed");
+        assert_eq!(p.router().tracker().worker_of(RequestId(2)), Some(1));
+        p.cancel(RequestId(1));
+        p.shutdown(Duration::ZERO);
+        while running.try_recv().is_ok() {}
     }
 }
