@@ -120,9 +120,6 @@ fn feed(s: &Shared, events: &Receiver<ShardEvent>) {
             }
             if last_maintenance.elapsed() > Duration::from_secs(1) {
                 last_maintenance = Instant::now();
-                for sh in &s.shards {
-                    r.apply_load(&sh.status().load);
-                }
                 r.expire(s.start.elapsed());
                 resync.extend(r.workers_needing_resync());
             }
@@ -147,8 +144,8 @@ impl Dispatcher for LocalPlane {
         let t0 = Instant::now();
         let first = {
             let mut r = self.router();
-            // In-process shards publish their load every step: decide on the current one
-            // rather than the last periodic report (a second old, it makes a shard whose
+            // In-process shards publish their load every step: each decision reads the
+            // current one (a report kept from an earlier moment would make a shard whose
             // long sequences have just finished look full).
             for sh in &s.shards {
                 r.apply_load(&sh.status().load);
