@@ -2,12 +2,21 @@
 //! activation quantization, rotary embedding and attention over a paged f16 KV cache.
 //!
 //! These functions allocate nothing; callers own all buffers (scratch is sized once).
+//!
+//! The rope functions and the attention operand types are defined in [`crate::cpu`], beside
+//! the SIMD kernels that share them, and re-exported here.
+
+pub use crate::cpu::attn::{
+    AttnHeadFn, AttnHeadJob, AttnMode, AttnScratch, MAX_ATTN_GROUP, NextRows, PagedHead,
+};
+pub use crate::cpu::rope::{rope_cache, rope_neox, rope_norm};
 
 use bytemuck::Pod;
 use half::f16;
 
 use crate::KernelError;
 use crate::cpu::Kernels;
+use crate::cpu::disjoint::{Disjoint, DisjointOut};
 use crate::cpu::exact::SumShape;
 use crate::cpu::gemm::{Acts, GemmJob, Line};
 use crate::cpu::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMatrix};
@@ -143,50 +152,6 @@ pub fn quantize_activations<'o>(
         }
     }
     Ok(out)
-}
-
-/// An output buffer that the threads of one pool run write at disjoint indices.
-///
-/// Contract: during one [`ThreadPool::run`], every index (or range) is written by at most
-/// one thread and nothing reads the buffer; the buffer outlives the run.
-pub(crate) struct Disjoint<T> {
-    ptr: *mut T,
-    len: usize,
-}
-
-/// [`Disjoint`] over f32 outputs.
-pub(crate) type DisjointOut = Disjoint<f32>;
-/// [`Disjoint`] over bytes (quantized activation rows).
-pub(crate) type DisjointBytes = Disjoint<u8>;
-
-// SAFETY: the type's contract makes concurrent writes target disjoint memory; `T: Send`
-// values may be written from any thread.
-unsafe impl<T: Send> Sync for Disjoint<T> {}
-// SAFETY: as above.
-unsafe impl<T: Send> Send for Disjoint<T> {}
-
-impl<T: Copy> Disjoint<T> {
-    pub(crate) fn new(out: &mut [T]) -> Self {
-        Disjoint { ptr: out.as_mut_ptr(), len: out.len() }
-    }
-
-    /// Writes element `i`.
-    #[inline]
-    pub(crate) fn set(&self, i: usize, v: T) {
-        assert!(i < self.len, "output index out of range");
-        // SAFETY: in bounds (checked above); only this thread writes index `i` (contract).
-        unsafe { self.ptr.wrapping_add(i).write(v) }
-    }
-
-    /// The `len` elements at `start`, for a range only this thread writes.
-    #[inline]
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) fn range(&self, start: usize, len: usize) -> &mut [T] {
-        assert!(start + len <= self.len, "output range out of bounds");
-        // SAFETY: in bounds (checked above); the range belongs to this thread alone for the
-        // duration of the run (contract), so no other reference to it exists.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.wrapping_add(start), len) }
-    }
 }
 
 /// `out[t][r] = W[r] · x[t]` for `t < n_tok`, `r < w.rows()`: `xq` holds `n_tok` activation
@@ -510,214 +475,6 @@ fn rows_typed<W: Pod, A: Pod>(
     }
 }
 
-/// Rotary embedding tables for one position: `cos`/`sin` per dimension pair, computed as
-/// ggml does (theta multiplied by `base^(-2/n_dims)` pair after pair, in f32).
-pub fn rope_cache(
-    pos: u32,
-    n_dims: usize,
-    freq_base: f32,
-    freq_factors: Option<&[f32]>,
-    cache: &mut [f32],
-) {
-    let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
-    let mut theta = pos as f32;
-    for i in 0..n_dims / 2 {
-        let ff = freq_factors.map_or(1.0, |f| f.get(i).copied().unwrap_or(1.0));
-        let t = theta / ff;
-        cache[2 * i] = t.cos();
-        cache[2 * i + 1] = t.sin();
-        theta *= theta_scale;
-    }
-}
-
-/// One rotated pair, associated as ggml's compiled C does (GCC contracts
-/// `x0*c - x1*s` to `fma(x0, c, -(x1*s))` and `x0*s + x1*c` to `fma(x0, s, x1*c)`).
-#[inline(always)]
-fn rotate(x0: f32, x1: f32, c: f32, s: f32) -> (f32, f32) {
-    (x0.mul_add(c, -(x1 * s)), x0.mul_add(s, x1 * c))
-}
-
-/// Applies rope in "normal" mode (adjacent pairs) to the first `n_dims` of `x` (the scalar
-/// twin of the table's `rope_norm`).
-pub fn rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize) {
-    rope_norm_inline(x, cache, n_dims);
-}
-
-/// [`rope_norm`]'s body, inlined into the SIMD levels' copies (compiled with FMA there).
-#[inline(always)]
-pub(crate) fn rope_norm_inline(x: &mut [f32], cache: &[f32], n_dims: usize) {
-    for i in 0..n_dims / 2 {
-        let (a, b) = rotate(x[2 * i], x[2 * i + 1], cache[2 * i], cache[2 * i + 1]);
-        x[2 * i] = a;
-        x[2 * i + 1] = b;
-    }
-}
-
-/// Applies rope in "NeoX" mode (pairs `i`, `i + n_dims/2`) to the first `n_dims` of `x` (the
-/// scalar twin of the table's `rope_neox`).
-pub fn rope_neox(x: &mut [f32], cache: &[f32], n_dims: usize) {
-    rope_neox_inline(x, cache, n_dims);
-}
-
-/// [`rope_neox`]'s body, inlined into the SIMD levels' copies (compiled with FMA there).
-#[inline(always)]
-pub(crate) fn rope_neox_inline(x: &mut [f32], cache: &[f32], n_dims: usize) {
-    let h = n_dims / 2;
-    for i in 0..h {
-        let (a, b) = rotate(x[i], x[i + h], cache[2 * i], cache[2 * i + 1]);
-        x[i] = a;
-        x[i + h] = b;
-    }
-}
-
-/// One sequence's keys or values for one KV head, spread over fixed-size blocks.
-///
-/// `data` starts at block 0 of a layer's cache; block `b` of the layer starts
-/// `b * block_stride` elements in and holds `[kv_head][slot][head_dim]` (a cache of one
-/// layer has `block_stride = n_kv_heads * block_size * head_dim`; [`crate::model::KvCache`]
-/// keeps a block's layers together, so its stride spans every layer).
-#[derive(Debug, Clone, Copy)]
-pub struct PagedHead<'a> {
-    /// The cache from the layer's part of block 0 on (see the type's docs).
-    pub data: &'a [f16],
-    /// Blocks of the sequence, in position order.
-    pub block_table: &'a [u32],
-    /// Token slots per block.
-    pub block_size: usize,
-    /// Elements from the start of one block to the next.
-    pub block_stride: usize,
-    /// Elements per head.
-    pub head_dim: usize,
-    /// Which KV head.
-    pub kv_head: usize,
-}
-
-impl<'a> PagedHead<'a> {
-    /// Where this head's rows of cache block `block` start in `data` (the block's
-    /// `block_size` rows of `head_dim` follow one another).
-    #[inline]
-    pub fn block_start(&self, block: u32) -> usize {
-        block as usize * self.block_stride + self.kv_head * self.block_size * self.head_dim
-    }
-
-    /// Asks for the rows of positions `lo..hi` to be fetched into L2 (a hint; rows outside
-    /// the cache are skipped).
-    pub fn prefetch_range(&self, lo: usize, hi: usize) {
-        if self.block_size == 0 {
-            return;
-        }
-        let mut p = lo;
-        while p < hi {
-            let Some(&block) = self.block_table.get(p / self.block_size) else { break };
-            let slot = p % self.block_size;
-            let rows = (hi - p).min(self.block_size - slot);
-            let start = self.block_start(block) + slot * self.head_dim;
-            if let Some(run) = self.data.get(start..start + rows * self.head_dim) {
-                crate::cpu::prefetch_l2(bytemuck::cast_slice(run));
-            }
-            p += rows;
-        }
-    }
-
-    /// The row of position `p`, or `None` if the block table or cache is too short.
-    #[inline]
-    pub fn row(&self, p: usize) -> Option<&'a [f16]> {
-        let block = *self.block_table.get(p / self.block_size)?;
-        let start = self.block_start(block) + (p % self.block_size) * self.head_dim;
-        self.data.get(start..start + self.head_dim)
-    }
-}
-
-/// The cache rows of the (token, KV head) a thread attends to next. Decode attention reads
-/// each sequence's rows once, from blocks scattered over memory: the fused kernel fetches
-/// these into L2 a share at a time while it computes the current unit (all at once, the
-/// requests fill the core's miss buffers and stall it).
-#[derive(Debug, Clone, Copy)]
-pub struct NextRows<'a> {
-    /// Keys of the next unit's KV head.
-    pub keys: PagedHead<'a>,
-    /// Values of the next unit's KV head.
-    pub values: PagedHead<'a>,
-    /// Positions it attends to.
-    pub n_pos: usize,
-}
-
-impl NextRows<'_> {
-    /// Asks for share `i` of `parts` of the rows (positions `i·n/parts..(i+1)·n/parts`).
-    pub fn prefetch_part(&self, i: usize, parts: usize) {
-        let parts = parts.max(1);
-        let (lo, hi) = (i * self.n_pos / parts, (i + 1) * self.n_pos / parts);
-        self.keys.prefetch_range(lo, hi);
-        self.values.prefetch_range(lo, hi);
-    }
-}
-
-/// Which of ggml's two attention code paths a token's arithmetic follows: multi-token
-/// prompt batches (tinyBLAS matrix products) or single-token steps (`vec_dot_f16`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum AttnMode {
-    /// A token of a prompt evaluated together with at least one other prompt token.
-    Prefill,
-    /// A token evaluated alone (generated tokens, one-token prompts).
-    Decode,
-}
-
-/// Per-thread working memory of [`attention`].
-#[derive(Debug, Clone)]
-pub struct AttnScratch {
-    q16: Vec<f16>,
-    pub(crate) scores: Vec<f32>,
-    probs: Vec<f16>,
-    pub(crate) classes: Vec<f32>,
-    wide: Vec<f64>,
-    /// Row offsets of positions (fused kernels).
-    pub(crate) offs: Vec<usize>,
-}
-
-/// The operands of one query head's attention, as [`attention`] hands them to the level's
-/// fused kernel ([`Kernels::attn_head`]).
-#[derive(Debug, Clone, Copy)]
-pub struct AttnHeadJob<'a> {
-    /// Which of ggml's code paths the arithmetic follows.
-    pub mode: AttnMode,
-    /// The query heads (`heads × head_dim` f32; rounded to f16 by the kernel).
-    pub q: &'a [f32],
-    /// Query heads sharing these keys and values (at most 4).
-    pub heads: usize,
-    /// Keys of the head's KV head.
-    pub keys: &'a PagedHead<'a>,
-    /// Values of the head's KV head.
-    pub values: &'a PagedHead<'a>,
-    /// Positions attended to (`0..n_pos`).
-    pub n_pos: usize,
-    /// Score scale (`1/sqrt(head_dim)`).
-    pub scale: f32,
-    /// The level's softmax.
-    pub softmax: fn(&mut [f32], f32),
-    /// Rows to fetch for the caller's next unit while this one computes (a hint).
-    pub next: Option<&'a NextRows<'a>>,
-}
-
-/// A level's fused attention of a group of query heads sharing one KV head (`out`:
-/// `heads × head_dim`): returns `false`, having written nothing to `out`, when it does not
-/// cover the operands' shapes (the caller then takes the generic path, which also reports
-/// malformed operands).
-pub type AttnHeadFn = fn(&AttnHeadJob<'_>, &mut AttnScratch, &mut [f32]) -> bool;
-
-impl AttnScratch {
-    /// Buffers for heads of `head_dim` over up to `max_ctx` positions.
-    pub fn new(head_dim: usize, max_ctx: usize) -> Self {
-        AttnScratch {
-            q16: vec![f16::ZERO; head_dim],
-            scores: vec![0.0; MAX_ATTN_GROUP * max_ctx.max(1)],
-            probs: vec![f16::ZERO; max_ctx.max(1)],
-            classes: vec![0.0; MAX_ATTN_GROUP * 64 * head_dim],
-            wide: vec![0.0; head_dim],
-            offs: vec![0; max_ctx.max(1)],
-        }
-    }
-}
-
 /// Causal attention of one query head over positions `0..n_pos` of a paged cache, with
 /// ggml's precision and association: the query is rounded to f16 before `q·k`, the softmax
 /// runs in f32 with an f64 sum, the probabilities are rounded to f16 before weighting `v`,
@@ -793,10 +550,6 @@ pub fn attention_group(
     }
     Ok(())
 }
-
-/// Query heads per KV head that [`attention_group`] computes together at most; scratch
-/// is sized for it.
-pub const MAX_ATTN_GROUP: usize = 4;
 
 /// The operand sizes [`attention`] and [`attention_generic`] need.
 fn check_attention(

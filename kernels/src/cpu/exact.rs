@@ -182,9 +182,9 @@ pub(crate) fn patch(k: &mut Kernels) {
             k.softmax = softmax_generic;
         }
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => super::exact_x86::patch_avx2(k),
+        SimdLevel::Avx2 => super::arch::x86_64::exact::patch_avx2(k),
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => super::exact_x86::patch_avx512(k),
+        SimdLevel::Avx512 => super::arch::x86_64::exact::patch_avx512(k),
         #[cfg(not(target_arch = "x86_64"))]
         _ => {}
     }

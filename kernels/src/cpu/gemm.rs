@@ -36,7 +36,7 @@ use bytemuck::{Pod, Zeroable};
 use half::f16;
 
 use super::SimdLevel;
-use crate::ops::DisjointOut;
+use super::disjoint::DisjointOut;
 use crate::quant::{BlockQ8_0, BlockQ8_1, GgmlType};
 
 /// 64 bytes aligned to 64: the unit of packed-activation scratch.
@@ -133,9 +133,9 @@ pub(crate) fn table(level: SimdLevel) -> Gemm {
     match level {
         SimdLevel::Scalar => Gemm::NONE,
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => super::gemm_x86::avx2_table(),
+        SimdLevel::Avx2 => super::arch::x86_64::gemm::avx2_table(),
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 => super::gemm_x86::avx512_table(),
+        SimdLevel::Avx512 => super::arch::x86_64::gemm::avx512_table(),
         #[cfg(not(target_arch = "x86_64"))]
         _ => Gemm::NONE,
     }

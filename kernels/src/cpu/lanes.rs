@@ -39,9 +39,9 @@ use std::sync::Arc;
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
+use super::disjoint::DisjointOut;
 use super::gemm::{Acts, Line};
 use crate::KernelError;
-use crate::ops::DisjointOut;
 use crate::quant::{BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
 
 /// Rows per tile: the lanes of one 512-bit register of f32.
@@ -339,7 +339,7 @@ impl LaneJob<'_> {
 pub(crate) fn table(level: super::SimdLevel) -> Option<Lanes> {
     match level {
         #[cfg(target_arch = "x86_64")]
-        super::SimdLevel::Avx512 => Some(super::lanes_x86::avx512()),
+        super::SimdLevel::Avx512 => Some(super::arch::x86_64::lanes::avx512()),
         _ => None,
     }
 }

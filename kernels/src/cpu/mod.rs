@@ -1,23 +1,39 @@
 //! CPU kernel dispatch: the instruction-set level is detected once and a table of kernel
 //! function pointers is built for it; callers hold `&'static Kernels` and never re-check.
 //!
-//! Layout: [`reference`] holds the scalar twins (the portable path and the oracle every
-//! SIMD kernel is tested against); `arch/x86_64/{avx2,avx512}` hold the SIMD kernels.
+//! Layout: the modules beside `arch/` are portable (tables, dispatch, layouts and scalar
+//! code); all SIMD code lives in `arch/`, one folder per architecture, compiled only for it
+//! (outside it, only [`prefetch_l2`]'s cache hint names an x86 instruction).
+//!
+//! * [`reference`](mod@reference): the scalar twins (the portable path and the oracle every
+//!   SIMD kernel is tested against).
+//! * [`exact`]: the kernels whose rounding matches ggml's at each level, their scalar forms
+//!   and the slots they take in each level's table.
+//! * [`gemm`]: the tiled matrix products' table, job and packed activation layouts.
+//! * [`lanes`]: row-lane weight matrices, their repacking and the row-lane kernels' table.
+//! * `rope`: [`crate::ops::rope_cache`] and the scalar rotations of both modes, whose bodies
+//!   the SIMD levels' rope entries inline.
+//! * `attn`: the operands of paged attention ([`crate::ops::PagedHead`],
+//!   [`crate::ops::AttnHeadJob`], [`crate::ops::AttnScratch`], …), which `ops` validates and
+//!   the fused kernels read.
+//! * `disjoint`: the output buffer that the threads of one pool run write at disjoint rows.
+//! * `arch/x86_64/`: `avx2` and `avx512` (each level's table), `exact`, `attn`, `gemm` and
+//!   `lanes` (the x86 forms of the modules above and the fused attention kernel).
+//!
+//! `rope`, `attn` and `disjoint` are crate-internal; their public items are re-exported from
+//! [`crate::ops`]. No module under `cpu` imports `ops`, `greedy` or `model`: those build on
+//! `cpu`, not the other way round.
+//!
 //! A table for a level is only ever built after the CPU has been seen to support it, which
 //! is what makes the safe wrappers around `#[target_feature]` functions sound.
 
-#[cfg(target_arch = "x86_64")]
-mod attn_x86;
+pub(crate) mod attn;
+pub(crate) mod disjoint;
 pub mod exact;
-#[cfg(target_arch = "x86_64")]
-mod exact_x86;
 pub mod gemm;
-#[cfg(target_arch = "x86_64")]
-mod gemm_x86;
 pub mod lanes;
-#[cfg(target_arch = "x86_64")]
-mod lanes_x86;
 pub mod reference;
+pub(crate) mod rope;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod arch;
@@ -153,7 +169,7 @@ pub struct Kernels {
     /// One query head's whole attention (scores, softmax, weighted values) with the bits of
     /// the generic path built from the entries above ([`crate::ops::attention_generic`]);
     /// `None` where the level has no fused kernel.
-    pub attn_head: Option<crate::ops::AttnHeadFn>,
+    pub attn_head: Option<attn::AttnHeadFn>,
     /// Matrix products over tiles of rows × tokens, bit-identical to the dot products above
     /// (used by [`crate::ops::matmul`]; types without an entry use the dot products).
     pub gemm: gemm::Gemm,

@@ -10,9 +10,10 @@ use std::sync::Mutex;
 use super::{KvCache, LlamaModel, ModelError, RopeKind};
 use crate::KernelError;
 use crate::cpu::Kernels;
+use crate::cpu::disjoint::{DisjointBytes, DisjointOut};
 use crate::ops::{
-    self, AttnMode, AttnScratch, DisjointBytes, DisjointOut, activation_bytes, attention_group,
-    matmul, matmul_many, quantize_activations,
+    self, AttnMode, AttnScratch, activation_bytes, attention_group, matmul, matmul_many,
+    quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
 

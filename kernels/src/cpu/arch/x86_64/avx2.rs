@@ -57,13 +57,13 @@ safe_wrapper!(rope_neox => imp_rope_neox(x: &mut [f32], cache: &[f32], n_dims: u
 /// `fma` feature each one is a library call).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn imp_rope_norm(x: &mut [f32], cache: &[f32], n_dims: usize) {
-    crate::ops::rope_norm_inline(x, cache, n_dims);
+    crate::cpu::rope::rope_norm_inline(x, cache, n_dims);
 }
 
 /// NeoX rope, as [`imp_rope_norm`].
 #[target_feature(enable = "avx2,fma,f16c")]
 fn imp_rope_neox(x: &mut [f32], cache: &[f32], n_dims: usize) {
-    crate::ops::rope_neox_inline(x, cache, n_dims);
+    crate::cpu::rope::rope_neox_inline(x, cache, n_dims);
 }
 
 /// The AVX2 table. Only [`crate::cpu::Kernels::for_level`] (and the AVX-512 table, which

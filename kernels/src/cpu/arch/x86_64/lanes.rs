@@ -1,4 +1,4 @@
-//! The AVX-512 VNNI kernels of [`super::lanes`]: 16 rows per register, lane `i` row `i`.
+//! The AVX-512 VNNI kernels of [`crate::cpu::lanes`]: 16 rows per register, lane `i` row `i`.
 //!
 //! Per (tile, block) the record's weight vectors are loaded and (nibbles) unpacked once for a
 //! group of tokens; per token the block's integer parts of all 16 rows come from 8
@@ -10,16 +10,16 @@
 //!
 //! # Safety
 //! `imp_run` requires the CPU features of its `target_feature` attribute; it is reachable
-//! only through [`avx512`]'s safe wrapper, which [`super::lanes::table`] installs only into
-//! the table of a level [`super::Kernels::for_level`] found this CPU to support. Record reads
-//! go through raw pointers into a tile's records (`LaneMatrix::tile`), whose length
-//! [`LaneJob::check`] asserted.
+//! only through [`avx512`]'s safe wrapper, which [`crate::cpu::lanes::table`] installs only
+//! into the table of a level [`crate::cpu::Kernels::for_level`] found this CPU to support.
+//! Record reads go through raw pointers into a tile's records (`LaneMatrix::tile`), whose
+//! length [`LaneJob::check`] asserted.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::gemm::Acts;
-use super::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMath, Lanes, d_offset, rec_lines};
+use crate::cpu::gemm::Acts;
+use crate::cpu::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMath, Lanes, d_offset, rec_lines};
 use crate::quant::{BlockQ8_0, BlockQ8_1, GgmlType};
 
 const Q4_0: u8 = 0;
@@ -95,7 +95,7 @@ pub(crate) fn avx512() -> Lanes {
     Lanes { run, pack }
 }
 
-/// [`super::lanes::pack`] with the scales converted by `vcvtph2ps` and the `Q8_0`
+/// [`crate::cpu::lanes::pack`] with the scales converted by `vcvtph2ps` and the `Q8_0`
 /// corrections summed by `vpdpbusd` (the same records, bit for bit).
 fn pack(ty: GgmlType, acts: Acts<'_>, n_tok: usize, nb: usize, dst: &mut [LaneAct]) -> bool {
     let n = n_tok * nb;

@@ -23,15 +23,15 @@
 //!
 //! # Safety
 //! [`imp_attn_head_512`] requires AVX-512 F/BW/DQ/VL; it is reachable only through the
-//! safe wrapper installed by [`super::exact_x86::patch_avx512`] into a table whose level
+//! safe wrapper installed by [`super::exact::patch_avx512`] into a table whose level
 //! was detected on this CPU. Every load reads from a slice whose length was checked.
 
 use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::exact_x86::{load_h16, load16, store16};
-use crate::ops::{AttnHeadJob, AttnMode, AttnScratch, PagedHead};
+use super::exact::{load_h16, load16, store16};
+use crate::cpu::attn::{AttnHeadJob, AttnMode, AttnScratch, MAX_ATTN_GROUP, PagedHead};
 
 /// The safe entry installed in the AVX-512 table.
 pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
@@ -43,7 +43,7 @@ pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &m
 const MAX_HEAD: usize = 256;
 
 /// Most query heads one call handles (the query heads of one KV head).
-const MAX_GROUP: usize = crate::ops::MAX_ATTN_GROUP;
+const MAX_GROUP: usize = MAX_ATTN_GROUP;
 
 /// `x` rounded to f16 and back (nearest even), 16 lanes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]

@@ -1,4 +1,4 @@
-//! x86 matrix kernels of [`super::gemm`]: AVX-512 VNNI and AVX2, for `Q4_0`, `Q4_1` and
+//! x86 matrix kernels of [`crate::cpu::gemm`]: AVX-512 VNNI and AVX2, for `Q4_0`, `Q4_1` and
 //! `Q8_0` weights.
 //!
 //! AVX-512, two or more tokens: tiles of 4 rows × up to 8 tokens; one 512-bit accumulator
@@ -24,18 +24,18 @@
 //! # Safety
 //! Every `imp_*` function requires the CPU features of its `target_feature` attribute. They
 //! are reachable only through the safe wrappers in [`avx512_table`] and [`avx2_table`],
-//! which [`super::gemm::table`] installs only into the table of a level
-//! [`super::Kernels::for_level`] found this CPU to support. Weight reads go through raw
+//! which [`crate::cpu::gemm::table`] installs only into the table of a level
+//! [`crate::cpu::Kernels::for_level`] found this CPU to support. Weight reads go through raw
 //! pointers to blocks `b < nb` of rows `< stride`, after [`check_job`] asserted that the
 //! weight slice holds `stride` rows of `nb` blocks; packed records are typed slices.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::arch::x86_64::avx2::hsum_f32x8;
-use super::gemm::{DecRec, Gemm, GemmJob, GemmKernel, PAIR_TILE, PairRec, QUAD_TILE, QuadRec};
-use super::gemm::{lines_512, lines_avx2, pack_512_q8_0, pack_512_q8_1, pack_avx2};
-use crate::ops::DisjointOut;
+use super::avx2::hsum_f32x8;
+use crate::cpu::disjoint::DisjointOut;
+use crate::cpu::gemm::{DecRec, Gemm, GemmJob, GemmKernel, PAIR_TILE, PairRec, QUAD_TILE, QuadRec};
+use crate::cpu::gemm::{lines_512, lines_avx2, pack_512_q8_0, pack_512_q8_1, pack_avx2};
 
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;

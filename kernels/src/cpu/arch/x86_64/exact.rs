@@ -1,9 +1,9 @@
-//! x86 SIMD implementations of the ggml-exact kernels (see [`super::exact`]).
+//! x86 SIMD implementations of the ggml-exact kernels (see [`crate::cpu::exact`]).
 //!
 //! # Safety
 //! Each `imp_*` function requires the CPU features of its `target_feature` attribute. They
 //! are reachable only through the safe wrappers installed by [`patch_avx2`] and
-//! [`patch_avx512`], which [`super::Kernels::for_level`] calls only for a table whose level
+//! [`patch_avx512`], which [`crate::cpu::Kernels::for_level`] calls only for a table whose level
 //! was detected on this CPU (AVX-512 implies the AVX2 features here). Loads and stores use
 //! unaligned intrinsics on pointers derived from slices with checked lengths.
 
@@ -11,11 +11,10 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::Kernels;
-use super::SimdLevel;
-use super::exact::Reduce;
+use crate::cpu::exact::Reduce;
 #[cfg(test)]
-use super::exact::shapes;
+use crate::cpu::exact::shapes;
+use crate::cpu::{Kernels, SimdLevel};
 
 macro_rules! wrapper {
     ($feat:literal, $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* ) $(-> $ret:ty)?) => {
@@ -53,7 +52,7 @@ pub(crate) fn patch_avx512(k: &mut Kernels) {
     k.softmax = softmax_512;
     k.swiglu = swiglu_512;
     k.axpy_f16 = fma_f16_avx2;
-    k.attn_head = Some(super::attn_x86::attn_head_512);
+    k.attn_head = Some(super::attn::attn_head_512);
 }
 
 fn f32_bits(b: u32) -> f32 {
