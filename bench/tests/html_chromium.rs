@@ -3,6 +3,8 @@
 //!
 //! Needs the Debian package `chromium`; the test fails (it does not skip) when it is missing.
 
+#![allow(clippy::disallowed_methods)] // the model and tools come from `cargo xtask test`'s environment
+
 mod support;
 
 use std::path::{Path, PathBuf};

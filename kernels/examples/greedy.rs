@@ -1,5 +1,7 @@
 //! Greedy decoding from token ids, printing the top-2 logits per step (debugging aid).
 
+#![allow(clippy::disallowed_methods)] // an example reads its settings from the environment
+
 use std::sync::Arc;
 
 use kvx_kernels::cpu;

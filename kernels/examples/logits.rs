@@ -2,6 +2,8 @@
 //! association and with the row-lane kernels, and how far the two sets of logits lie apart
 //! (debugging aid).
 
+#![allow(clippy::disallowed_methods)] // an example reads its settings from the environment
+
 use std::io::Write;
 use std::sync::Arc;
 

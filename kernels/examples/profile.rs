@@ -9,6 +9,8 @@
 //! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`);
 //! `BS` sets the tokens per cache block (16).
 
+#![allow(clippy::disallowed_methods)] // an example reads its settings from the environment
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;

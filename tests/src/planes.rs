@@ -21,6 +21,7 @@ fn spawn(args: &[String]) -> (Child, Receiver<String>) {
     }
     let mut child = cmd.spawn().expect("spawning kvx");
     let stdout = child.stdout.take().expect("stdout");
+    #[allow(clippy::disallowed_methods)] // a child's stdout lines: as many as it prints
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {

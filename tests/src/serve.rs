@@ -37,6 +37,8 @@ impl Served {
         }
         let mut child = cmd.spawn().expect("spawning kvx serve");
         let stdout = child.stdout.take().expect("stdout");
+        #[allow(clippy::disallowed_methods)] // a child's stdout lines: as many as it prints
+        #[allow(clippy::disallowed_methods)] // a child's stdout lines: as many as it prints
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut banner = String::new();

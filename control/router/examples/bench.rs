@@ -7,6 +7,8 @@
 //!
 //! `cargo run --release -p kvx-router --example bench`
 
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)] // it measures wall time
+
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -100,7 +100,7 @@ impl TierCredits {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterConfig {
     /// Tokens per KV block (as the workers use).
-    pub block_size: u32,
+    pub block_size: usize,
     /// Selection mode.
     pub mode: RoutingMode,
     /// Weight of prefill blocks against decode blocks in the cost (≥ 0).
@@ -208,7 +208,7 @@ impl RequestBlocks {
     }
 
     /// Blocks the prompt occupies, the partial last one included.
-    pub fn total_blocks(&self, block_size: u32) -> u64 {
+    pub fn total_blocks(&self, block_size: usize) -> u64 {
         self.tokens.div_ceil(block_size.max(1) as u64).max(self.seqs.len() as u64)
     }
 }
@@ -331,7 +331,7 @@ impl Router {
         salt: Option<&str>,
         lora: Option<&str>,
     ) -> RequestBlocks {
-        RequestBlocks::from_tokens(tokens, self.cfg.block_size as usize, seed_for(salt, lora))
+        RequestBlocks::from_tokens(tokens, self.cfg.block_size, seed_for(salt, lora))
     }
 
     /// Applies a KV event from a registered worker.

@@ -13,7 +13,7 @@ use kvx_router::{
 };
 use proptest::prelude::*;
 
-const BS: u32 = 16;
+const BS: usize = 16;
 const T0: Duration = Duration::ZERO;
 
 fn router(mode: RoutingMode) -> Router {
@@ -29,11 +29,11 @@ fn with_workers(mut r: Router, ids: &[WorkerId]) -> Router {
 
 /// A prompt of `blocks` full blocks whose content is determined by `base`.
 fn prompt(base: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * BS).map(|i| base.wrapping_mul(1_000_003).wrapping_add(i)).collect()
+    (0..blocks * BS as u32).map(|i| base.wrapping_mul(1_000_003).wrapping_add(i)).collect()
 }
 
 fn req(tokens: &[u32]) -> RequestBlocks {
-    RequestBlocks::from_tokens(tokens, BS as usize, XXH3_SEED)
+    RequestBlocks::from_tokens(tokens, BS, XXH3_SEED)
 }
 
 /// The worker stores the first `n` blocks of `r` (in `tier`) as event `id`.

@@ -56,11 +56,11 @@ pub struct Register {
     /// The served model's name (must match the frontend's).
     pub model: String,
     /// Tokens per KV block (must match the router's).
-    pub block_size: u32,
+    pub block_size: usize,
     /// KV blocks of its pool.
-    pub kv_blocks: u32,
+    pub kv_blocks: usize,
     /// Requests it runs at once at most.
-    pub max_num_seqs: u32,
+    pub max_num_seqs: usize,
 }
 
 /// The frontend's answer to a [`Register`].

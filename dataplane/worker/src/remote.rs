@@ -70,7 +70,7 @@ pub struct RemoteConfig {
     /// The served model's name, as the frontend knows it.
     pub model: String,
     /// Tokens per KV block.
-    pub block_size: u32,
+    pub block_size: usize,
     /// Heartbeat period.
     pub heartbeat: Duration,
     /// A frontend silent this long is dead.
@@ -116,9 +116,9 @@ pub struct Hosted {
     /// Its worker id (the engine's).
     pub worker_id: WorkerId,
     /// KV blocks of its pool.
-    pub kv_blocks: u32,
+    pub kv_blocks: usize,
     /// Requests it runs at once at most.
-    pub max_num_seqs: u32,
+    pub max_num_seqs: usize,
     /// The shard.
     pub shard: ShardHandle,
 }
@@ -455,7 +455,7 @@ async fn handle(ctx: &Arc<Ctx>, k: u8, payload: &[u8], up: &mpsc::Sender<Up>) ->
             let refused = match ctx.shard(s.worker_id) {
                 None => Some((ErrorClass::Unavailable, format!("no worker {} here", s.worker_id))),
                 Some(shard) => {
-                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    let (tx, rx) = crate::shard::output_channel();
                     match shard.submit(s.request, tx) {
                         Ok(()) => {
                             tokio::spawn(forward(id, rx, up.clone(), ctx.cfg.synthetic_text));

@@ -18,10 +18,18 @@ use kvx_proto::{
     ErrorClass, GenerateRequest, KvEvent, KvEventData, LoadReport, Output, OutputDelta, RequestId,
     StorageTier, StoredBlock, WorkerId, WorkerMetrics,
 };
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 /// Where a request's outputs go.
 pub type OutputSender = UnboundedSender<Output>;
+
+/// A request's output stream. Unbounded by type, bounded by construction: a request sends
+/// one delta per generated token (at most its `max_tokens`, which the engine checks against
+/// the context at admission) and one end, and nothing after that.
+#[allow(clippy::disallowed_methods)] // the one unbounded channel; see above
+pub fn output_channel() -> (OutputSender, UnboundedReceiver<Output>) {
+    tokio::sync::mpsc::unbounded_channel()
+}
 
 /// What a shard tells the router side, in order.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,8 @@
 //! Opens the real default model (SmolLM2-135M-Instruct Q4_1) and checks known facts about it.
 //! The path comes from `KVX_TEST_MODEL`; without it the test fails and says how to set it.
 
+#![allow(clippy::disallowed_methods)] // the model and tools come from `cargo xtask test`'s environment
+
 use kvx_gguf::{GgmlType, GgufFile};
 
 fn model_path() -> std::path::PathBuf {

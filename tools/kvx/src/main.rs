@@ -2,9 +2,6 @@
 
 mod cmd;
 mod models;
-#[allow(dead_code)]
-mod plane;
-mod remote;
 
 use clap::Parser;
 

@@ -1,27 +1,45 @@
 //! Project automation: `cargo xtask test` sets up what the tests need and runs them all.
 //!
-//! * `cargo xtask setup` — pulls the default model, builds the llama.cpp oracle
-//!   (llama-cpp-python from PyPI, in a venv under `.kvx/`), builds the release binary.
-//! * `cargo xtask test` — setup, then formatting, lints, the tidy rules and `cargo test`
-//!   for the whole workspace with the environment the tests expect.
+//! * `cargo xtask setup` — installs the system packages the tests need ([`needs`]: apt-get
+//!   as root; otherwise it stops and names them), pulls the default model, builds the
+//!   llama.cpp oracle (llama-cpp-python from PyPI, in a venv under `.kvx/`), builds the
+//!   release binary.
+//! * `cargo xtask test [-- ARGS]` — setup, then rustfmt, the tidy rules, clippy and
+//!   `cargo test --workspace --no-fail-fast ARGS` with the environment the tests expect; every
+//!   step runs even when one fails, and the run ends with `N passed, N failed`.
+//! * `cargo xtask test --fast [-- ARGS]` — the inner loop: rustfmt, tidy and the unit tests
+//!   (`--lib --bins`) of every crate; no set-up, no model, no end-to-end suite.
 //! * `cargo xtask tidy` — the repository rules alone.
 //!
 //! Environment given to the tests: `KVX_BIN` (release binary), `KVX_TEST_MODEL` (the default
 //! GGUF), `KVX_ORACLE_PYTHON` (a python with `llama_cpp`), `KVX_HOME` (the model store).
 
+mod deps;
+mod needs;
+mod tally;
 mod tidy;
 
 use std::env;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
-use kvx_kernels::cpu::SimdLevel;
+use tally::Tally;
 
 /// The oracle: llama-cpp-python from PyPI, built from source for this CPU by pip.
 const ORACLE_REQ: &str = "llama-cpp-python==0.3.36";
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    match run_main() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_main() -> Result<ExitCode> {
     let args: Vec<String> = env::args().skip(1).collect();
     let root = workspace_root()?;
     match args.first().map(String::as_str) {
@@ -29,16 +47,34 @@ fn main() -> Result<()> {
             setup(&root)?;
         }
         Some("test") => {
-            let env = setup(&root)?;
-            run_checks(&root, &env, &args[1..])?;
+            let rest = &args[1..];
+            let fast = rest.first().is_some_and(|a| a == "--fast");
+            let extra = rest.iter().skip(usize::from(fast)).skip_while(|a| *a == "--");
+            let extra: Vec<String> = extra.cloned().collect();
+            let tally = if fast {
+                run_fast(&root, &extra)?
+            } else {
+                let env = setup(&root)?;
+                run_checks(&root, &env, &extra)?
+            };
+            if !tally.failures.is_empty() {
+                eprintln!("xtask: failed: {}", tally.failures.join(", "));
+            }
+            if tally.ignored > 0 {
+                eprintln!("xtask: {} test(s) ignored", tally.ignored);
+            }
+            println!("{}", tally.line());
+            return Ok(if tally.failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE });
         }
         Some("tidy") => tidy::check(&root)?,
         _ => {
-            eprintln!("usage: cargo xtask <setup|test|tidy> [-- extra cargo test args]");
-            std::process::exit(2);
+            eprintln!(
+                "usage: cargo xtask <setup|test [--fast]|tidy> [-- extra cargo test args]"
+            );
+            return Ok(ExitCode::from(2));
         }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 fn workspace_root() -> Result<PathBuf> {
@@ -61,6 +97,8 @@ struct TestEnv {
 }
 
 fn setup(root: &Path) -> Result<TestEnv> {
+    let host_python = env::var("KVX_PYTHON").unwrap_or_else(|_| "python3".into());
+    needs::ensure(&host_python)?;
     let home = env::var_os("KVX_HOME").map(PathBuf::from).unwrap_or_else(|| root.join(".kvx/home"));
     run(Command::new("cargo").current_dir(root).args(["build", "--release", "-p", "kvx"]))?;
     let bin = root.join("target/release/kvx");
@@ -84,21 +122,44 @@ fn setup(root: &Path) -> Result<TestEnv> {
     })
 }
 
+/// The kernel level kvx picks on this CPU: `SimdLevel::detect` of kvx-kernels, mirrored
+/// here so that xtask builds in seconds (a test checks that the two agree).
+fn kernel_level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+        let avx512 = avx2
+            && has!("avx512f")
+            && has!("avx512bw")
+            && has!("avx512dq")
+            && has!("avx512vl")
+            && has!("avx512vnni");
+        if avx512 {
+            return "avx512";
+        }
+        if avx2 {
+            return "avx2";
+        }
+    }
+    "scalar"
+}
+
 /// ggml build flags giving exactly the instruction set of kvx's kernel level on this CPU
 /// (explicit, so that extensions kvx does not mirror, such as AMX tiles, stay off).
 fn oracle_cmake_args() -> (&'static str, &'static str) {
-    match SimdLevel::detect() {
-        SimdLevel::Avx512 => (
+    match kernel_level() {
+        "avx512" => (
             "avx512",
             "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
              -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON",
         ),
-        SimdLevel::Avx2 => (
+        "avx2" => (
             "avx2",
             "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
              -DGGML_AVX512=OFF",
         ),
-        SimdLevel::Scalar => (
+        _ => (
             "scalar",
             "-DGGML_NATIVE=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF",
         ),
@@ -140,21 +201,57 @@ fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     Ok(python)
 }
 
-fn run_checks(root: &Path, env: &TestEnv, extra: &[String]) -> Result<()> {
-    run(Command::new("cargo").current_dir(root).args(["fmt", "--all", "--", "--check"]))?;
-    tidy::check(root)?;
-    run(Command::new("cargo").current_dir(root).args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))?;
+/// The full run: rustfmt, tidy, clippy and every test, each to its end.
+fn run_checks(root: &Path, env: &TestEnv, extra: &[String]) -> Result<Tally> {
+    let mut t = Tally::default();
+    t.check("rustfmt", step(Command::new("cargo").current_dir(root).args(FMT)));
+    t.check("tidy", report(tidy::check(root)));
+    t.check("clippy", step(Command::new("cargo").current_dir(root).args(CLIPPY)));
     let mut test = Command::new("cargo");
-    test.current_dir(root).args(["test", "--workspace"]).args(extra);
+    test.current_dir(root).args(["test", "--workspace", "--no-fail-fast"]).args(extra);
     for (k, v) in &env.vars {
         test.env(k, v);
     }
-    run(&mut test)
+    tally::cargo_test(&mut test, &mut t)?;
+    Ok(t)
+}
+
+/// The inner loop: rustfmt, tidy and the unit tests of every crate, with nothing set up.
+fn run_fast(root: &Path, extra: &[String]) -> Result<Tally> {
+    let mut t = Tally::default();
+    t.check("rustfmt", step(Command::new("cargo").current_dir(root).args(FMT)));
+    t.check("tidy", report(tidy::check(root)));
+    let mut test = Command::new("cargo");
+    test.current_dir(root)
+        .args(["test", "--workspace", "--exclude", "kvx-e2e", "--lib", "--bins"])
+        .arg("--no-fail-fast")
+        .args(extra);
+    tally::cargo_test(&mut test, &mut t)?;
+    Ok(t)
+}
+
+const FMT: [&str; 4] = ["fmt", "--all", "--", "--check"];
+const CLIPPY: [&str; 6] = ["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"];
+
+/// Runs a step; whether it succeeded (its failure is printed).
+fn step(cmd: &mut Command) -> bool {
+    report(run(cmd))
+}
+
+fn report(r: Result<()>) -> bool {
+    match r {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_mirrored_kernel_level_is_the_kernels_own() {
+        assert_eq!(super::kernel_level(), kvx_kernels::cpu::SimdLevel::detect().name());
+    }
 }

@@ -1,5 +1,7 @@
 //! Repository rules that the compiler does not check: a `//!` line opening every Rust file,
-//! `unsafe` only in the crates allowed to use it, workspace lints in every crate.
+//! `unsafe` only in the crates allowed to use it, workspace lints in every crate, crate
+//! clippy.toml files that keep the workspace's lists, and the dependency rules of
+//! [`crate::deps`].
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -33,8 +35,11 @@ pub(crate) fn check(root: &Path) -> Result<()> {
             if !text.contains("[lints]\nworkspace = true") {
                 problems.push(format!("{rel}: missing `[lints] workspace = true`"));
             }
+        } else if rel.ends_with("/clippy.toml") {
+            clippy_repeats_the_workspace(root, path, &rel, &mut problems)?;
         }
     }
+    crate::deps::check(root, &mut problems)?;
     if problems.is_empty() {
         eprintln!("xtask: tidy: {} files checked", files.len());
         return Ok(());
@@ -43,6 +48,28 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         eprintln!("tidy: {p}");
     }
     bail!("{} tidy problem(s)", problems.len())
+}
+
+/// A crate's clippy.toml that says it extends the workspace's must list every entry of it
+/// (clippy reads only the nearest file).
+fn clippy_repeats_the_workspace(
+    root: &Path,
+    path: &Path,
+    rel: &str,
+    problems: &mut Vec<String>,
+) -> Result<()> {
+    let text = fs::read_to_string(path)?;
+    if !text.contains("It repeats the workspace's clippy.toml") {
+        return Ok(());
+    }
+    let top = fs::read_to_string(root.join("clippy.toml"))?;
+    for line in top.lines().map(str::trim).filter(|l| l.starts_with("{ path = ")) {
+        let entry = line.split(',').next().unwrap_or(line);
+        if !text.contains(entry) {
+            problems.push(format!("{rel}: lacks the workspace's `{entry}`"));
+        }
+    }
+    Ok(())
 }
 
 /// Whether code (not comments or string literals) uses `unsafe`.
@@ -70,7 +97,8 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         }
         if entry.file_type()?.is_dir() {
             walk(root, &path, out)?;
-        } else if rel.ends_with(".rs") || rel.ends_with("Cargo.toml") {
+        } else if rel.ends_with(".rs") || rel.ends_with("Cargo.toml") || rel.ends_with("clippy.toml")
+        {
             out.push(path);
         }
     }

@@ -1,6 +1,8 @@
 //! Shared set-up of the engine tests on the real model: the model from `KVX_TEST_MODEL`, an
 //! engine over it, 16 distinct prompts and greedy requests.
 
+#![allow(clippy::disallowed_methods)] // the model and tools come from `cargo xtask test`'s environment
+
 use std::sync::Arc;
 
 use kvx_engine::scheduler::SchedulerConfig;

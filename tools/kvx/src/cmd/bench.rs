@@ -2,14 +2,12 @@
 //! reports (`kvx bench compare`), or measure KV transfers (`kvx bench xfer`).
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use kvx_bench::{
-    Api, BenchConfig, EndpointConfig, LengthDist, LoadConfig, OutputCount, Report, Slo,
-    TokenizerSpec, WorkloadConfig,
-};
+use kvx_bench::{LengthDist, Report};
+
+use super::bench_config::parse_dist;
 
 /// Arguments of `kvx bench`: a subcommand, or the options of a run.
 #[derive(Debug, Args)]
@@ -61,7 +59,7 @@ pub(crate) struct RunArgs {
         env = "KVX_BENCH_URL",
         help_heading = "Endpoint"
     )]
-    url: String,
+    pub(super) url: String,
     /// API to call.
     #[arg(
         long,
@@ -70,135 +68,135 @@ pub(crate) struct RunArgs {
         env = "KVX_BENCH_API",
         help_heading = "Endpoint"
     )]
-    api: ApiArg,
+    pub(super) api: ApiArg,
     /// Model name to send (default: the first one `GET /v1/models` lists).
     #[arg(long, env = "KVX_BENCH_MODEL", help_heading = "Endpoint")]
-    model: Option<String>,
+    pub(super) model: Option<String>,
     /// API key, sent as `Authorization: Bearer ...`.
     #[arg(long, env = "KVX_BENCH_API_KEY", hide_env_values = true, help_heading = "Endpoint")]
-    api_key: Option<String>,
+    pub(super) api_key: Option<String>,
     /// Extra request header `NAME: VALUE` (repeatable).
     #[arg(long = "header", value_name = "NAME: VALUE", help_heading = "Endpoint")]
-    headers: Vec<String>,
+    pub(super) headers: Vec<String>,
     /// Ask for complete responses instead of streams (no TTFT or ITL then).
     #[arg(long, help_heading = "Endpoint")]
-    no_stream: bool,
+    pub(super) no_stream: bool,
     /// Do not ask for the final usage chunk (`stream_options.include_usage`).
     #[arg(long, help_heading = "Endpoint")]
-    no_usage: bool,
+    pub(super) no_usage: bool,
     /// Send `ignore_eos: true` so that servers honouring it generate exactly the output length.
     #[arg(long, help_heading = "Endpoint")]
-    ignore_eos: bool,
+    pub(super) ignore_eos: bool,
     /// Send the output length as `max_completion_tokens` instead of `max_tokens`.
     #[arg(long, help_heading = "Endpoint")]
-    max_completion_tokens: bool,
+    pub(super) max_completion_tokens: bool,
     /// JSON object merged into every request body, e.g. '{"temperature":0}'.
     #[arg(long, value_name = "JSON", env = "KVX_BENCH_EXTRA_BODY", help_heading = "Endpoint")]
-    extra_body: Option<String>,
+    pub(super) extra_body: Option<String>,
     /// Per-request timeout in seconds.
     #[arg(long, default_value_t = 600.0, help_heading = "Endpoint")]
-    timeout: f64,
+    pub(super) timeout: f64,
     /// Wait up to this many seconds for the server to answer `GET /v1/models` first.
     #[arg(long, default_value_t = 0.0, help_heading = "Endpoint")]
-    wait_ready: f64,
+    pub(super) wait_ready: f64,
 
     // Workload.
     /// Workload (default: trace when --trace is given, prompts with --prompts-file, else
     /// synthetic).
     #[arg(long, value_enum, help_heading = "Workload")]
-    workload: Option<WorkloadKind>,
+    pub(super) workload: Option<WorkloadKind>,
     /// Prompt (or suffix, or user message) lengths: N, normal:MEAN,STD, uniform:MIN,MAX,
     /// lognormal:MEAN,STD.
     #[arg(long, default_value = "128", value_parser = parse_dist, help_heading = "Workload")]
-    input_tokens: LengthDist,
+    pub(super) input_tokens: LengthDist,
     /// Output lengths (`max_tokens`), same forms as --input-tokens.
     #[arg(long, default_value = "64", value_parser = parse_dist, help_heading = "Workload")]
-    output_tokens: LengthDist,
+    pub(super) output_tokens: LengthDist,
     /// Distinct prompts generated (requests cycle through them).
     #[arg(long, default_value_t = 100, help_heading = "Workload")]
-    prompts: usize,
+    pub(super) prompts: usize,
     /// Shared prefixes (shared-prefix workload).
     #[arg(long, default_value_t = 4, help_heading = "Workload")]
-    prefixes: usize,
+    pub(super) prefixes: usize,
     /// Tokens per shared prefix (shared-prefix workload).
     #[arg(long, default_value_t = 512, help_heading = "Workload")]
-    prefix_tokens: u32,
+    pub(super) prefix_tokens: u32,
     /// Chat sessions (multi-turn workload).
     #[arg(long, default_value_t = 16, help_heading = "Workload")]
-    sessions: usize,
+    pub(super) sessions: usize,
     /// Turns per session (multi-turn workload), same forms as --input-tokens.
     #[arg(long, default_value = "4", value_parser = parse_dist, help_heading = "Workload")]
-    turns: LengthDist,
+    pub(super) turns: LengthDist,
     /// Pause between a response and the next turn, milliseconds (multi-turn workload).
     #[arg(long, default_value_t = 0, help_heading = "Workload")]
-    think_time_ms: u64,
+    pub(super) think_time_ms: u64,
     /// Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length, hash_ids).
     #[arg(long, value_name = "JSONL", help_heading = "Workload")]
-    trace: Option<PathBuf>,
+    pub(super) trace: Option<PathBuf>,
     /// Tokens per trace hash id.
     #[arg(long, default_value_t = kvx_bench::MOONCAKE_BLOCK_TOKENS, help_heading = "Workload")]
-    trace_block_tokens: u32,
+    pub(super) trace_block_tokens: u32,
     /// Prompts file: JSON lines with "prompt" (and optional "output_length"), or plain lines.
     #[arg(long, value_name = "FILE", help_heading = "Workload")]
-    prompts_file: Option<PathBuf>,
+    pub(super) prompts_file: Option<PathBuf>,
     /// Tokenizer for exact prompt lengths: the model's tokenizer.json (or .gguf), or `words`
     /// (one token per word, for servers that count words).
     #[arg(long, default_value = "words", env = "KVX_BENCH_TOKENIZER", help_heading = "Workload")]
-    tokenizer: String,
+    pub(super) tokenizer: String,
     /// Count output tokens by tokenizing the text when the server reports no usage (default:
     /// one per streamed chunk).
     #[arg(long, help_heading = "Workload")]
-    count_output_with_tokenizer: bool,
+    pub(super) count_output_with_tokenizer: bool,
 
     // Load.
     /// Closed loop at this concurrency; a comma list is a sweep (default 1).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["request_rate", "trace_speed"], help_heading = "Load")]
-    concurrency: Vec<usize>,
+    pub(super) concurrency: Vec<usize>,
     /// Open loop, Poisson arrivals at this many requests/s; a comma list is a sweep.
     #[arg(long, value_delimiter = ',', conflicts_with = "trace_speed", help_heading = "Load")]
-    request_rate: Vec<f64>,
+    pub(super) request_rate: Vec<f64>,
     /// Replay at the trace's timestamps divided by this factor; a comma list is a sweep
     /// (default 1 when --trace is given without another load).
     #[arg(long, value_delimiter = ',', requires = "trace", help_heading = "Load")]
-    trace_speed: Vec<f64>,
+    pub(super) trace_speed: Vec<f64>,
     /// Requests per level (default: the dataset's size, unless --duration bounds the level).
     #[arg(long, help_heading = "Load")]
-    requests: Option<u64>,
+    pub(super) requests: Option<u64>,
     /// Seconds per level after which no request starts.
     #[arg(long, help_heading = "Load")]
-    duration: Option<f64>,
+    pub(super) duration: Option<f64>,
     /// Unmeasured warm-up requests before the first level.
     #[arg(long, default_value_t = 0, help_heading = "Load")]
-    warmup: usize,
+    pub(super) warmup: usize,
     /// Seed for prompts, lengths and arrivals.
     #[arg(long, default_value_t = 0, env = "KVX_BENCH_SEED", help_heading = "Load")]
-    seed: u64,
+    pub(super) seed: u64,
     /// Client threads (0 = one per available core).
     #[arg(long, default_value_t = 0, env = "KVX_BENCH_THREADS", help_heading = "Load")]
-    threads: usize,
+    pub(super) threads: usize,
     /// Open loop: most requests in flight; later arrivals wait and show as schedule lag.
     #[arg(long, default_value_t = 4096, help_heading = "Load")]
-    max_in_flight: usize,
+    pub(super) max_in_flight: usize,
 
     // Objectives and output.
     /// Goodput objective: time to first token at most this many milliseconds.
     #[arg(long, help_heading = "Output")]
-    slo_ttft: Option<f64>,
+    pub(super) slo_ttft: Option<f64>,
     /// Goodput objective: mean inter-token latency of a request at most this many milliseconds.
     #[arg(long, help_heading = "Output")]
-    slo_itl: Option<f64>,
+    pub(super) slo_itl: Option<f64>,
     /// Write the JSON report here (schema: bench/SCHEMA.md).
     #[arg(long, value_name = "PATH", help_heading = "Output")]
-    json: Option<PathBuf>,
+    pub(super) json: Option<PathBuf>,
     /// Write the self-contained HTML report here.
     #[arg(long, value_name = "PATH", help_heading = "Output")]
-    html: Option<PathBuf>,
+    pub(super) html: Option<PathBuf>,
     /// Include one record per request in the JSON report.
     #[arg(long, help_heading = "Output")]
-    export_requests: bool,
+    pub(super) export_requests: bool,
     /// No progress bar.
     #[arg(long, short, help_heading = "Output")]
-    quiet: bool,
+    pub(super) quiet: bool,
 }
 
 /// API choice on the command line.
@@ -217,125 +215,6 @@ pub(crate) struct CompareArgs {
     a: PathBuf,
     /// Report compared against it (B).
     b: PathBuf,
-}
-
-fn parse_dist(s: &str) -> Result<LengthDist, String> {
-    s.parse().map_err(|e: kvx_bench::BenchError| e.to_string())
-}
-
-fn secs(what: &str, s: f64) -> anyhow::Result<Duration> {
-    Duration::try_from_secs_f64(s)
-        .with_context(|| format!("{what}: {s} is not a number of seconds"))
-}
-
-impl RunArgs {
-    fn config(&self) -> anyhow::Result<BenchConfig> {
-        let mut extra_body = serde_json::Map::new();
-        if let Some(text) = &self.extra_body {
-            match serde_json::from_str(text).context("--extra-body")? {
-                serde_json::Value::Object(m) => extra_body = m,
-                _ => bail!("--extra-body must be a JSON object"),
-            }
-        }
-        let mut headers = Vec::with_capacity(self.headers.len());
-        for h in &self.headers {
-            let Some((k, v)) = h.split_once(':') else {
-                bail!("--header {h:?}: expected NAME: VALUE")
-            };
-            headers.push((k.trim().to_string(), v.trim().to_string()));
-        }
-        let endpoint = EndpointConfig {
-            url: self.url.clone(),
-            api: match self.api {
-                ApiArg::Chat => Api::Chat,
-                ApiArg::Completions => Api::Completions,
-            },
-            model: self.model.clone(),
-            api_key: self.api_key.clone(),
-            headers,
-            stream: !self.no_stream,
-            include_usage: !self.no_usage,
-            ignore_eos: self.ignore_eos,
-            max_completion_tokens_field: self.max_completion_tokens,
-            extra_body,
-        };
-        let kind = self.workload.unwrap_or(if self.trace.is_some() {
-            WorkloadKind::Trace
-        } else if self.prompts_file.is_some() {
-            WorkloadKind::Prompts
-        } else {
-            WorkloadKind::Synthetic
-        });
-        let workload = match kind {
-            WorkloadKind::Synthetic => WorkloadConfig::Synthetic {
-                input: self.input_tokens,
-                output: self.output_tokens,
-                prompts: self.prompts,
-            },
-            WorkloadKind::SharedPrefix => WorkloadConfig::SharedPrefix {
-                prefixes: self.prefixes,
-                prefix_tokens: self.prefix_tokens,
-                suffix: self.input_tokens,
-                output: self.output_tokens,
-                prompts: self.prompts,
-            },
-            WorkloadKind::MultiTurn => WorkloadConfig::MultiTurn {
-                sessions: self.sessions,
-                turns: self.turns,
-                user: self.input_tokens,
-                output: self.output_tokens,
-                think_time_ms: self.think_time_ms,
-            },
-            WorkloadKind::Trace => WorkloadConfig::Trace {
-                path: self.trace.clone().context("the trace workload needs --trace FILE")?,
-                block_tokens: self.trace_block_tokens,
-            },
-            WorkloadKind::Prompts => WorkloadConfig::PromptsFile {
-                path: self
-                    .prompts_file
-                    .clone()
-                    .context("the prompts workload needs --prompts-file FILE")?,
-                output: self.output_tokens,
-            },
-        };
-        let load = if !self.request_rate.is_empty() {
-            LoadConfig::Poisson { rates: self.request_rate.clone() }
-        } else if !self.trace_speed.is_empty() {
-            LoadConfig::Trace { speeds: self.trace_speed.clone() }
-        } else if !self.concurrency.is_empty() {
-            LoadConfig::Closed { concurrency: self.concurrency.clone() }
-        } else if kind == WorkloadKind::Trace {
-            LoadConfig::Trace { speeds: vec![1.0] }
-        } else {
-            LoadConfig::Closed { concurrency: vec![1] }
-        };
-        let tokenizer = match self.tokenizer.as_str() {
-            "words" => TokenizerSpec::Words,
-            path => TokenizerSpec::File(PathBuf::from(path)),
-        };
-        Ok(BenchConfig {
-            endpoint,
-            workload,
-            tokenizer,
-            load,
-            max_requests: self.requests,
-            duration: self.duration.map(|d| secs("--duration", d)).transpose()?,
-            warmup_requests: self.warmup,
-            seed: self.seed,
-            slo: Slo { ttft_ms: self.slo_ttft, itl_ms: self.slo_itl },
-            request_timeout: secs("--timeout", self.timeout)?,
-            wait_ready: secs("--wait-ready", self.wait_ready)?,
-            client_threads: self.threads,
-            max_in_flight: self.max_in_flight,
-            progress: !self.quiet,
-            keep_request_records: self.export_requests,
-            output_count: if self.count_output_with_tokenizer {
-                OutputCount::Tokenizer
-            } else {
-                OutputCount::Chunks
-            },
-        })
-    }
 }
 
 pub(crate) fn run(args: BenchArgs, rt: &super::Runtime) -> anyhow::Result<()> {
@@ -379,71 +258,4 @@ fn run_bench(args: &RunArgs) -> anyhow::Result<()> {
         bail!("no request succeeded ({failed} failed)");
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cmd::{Cli, Command};
-    use clap::Parser;
-
-    fn bench(args: &[&str]) -> BenchArgs {
-        let mut argv = vec!["kvx", "bench"];
-        argv.extend_from_slice(args);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Bench(b) => *b,
-            #[allow(unreachable_patterns)]
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn default_run_subcommands_and_sweeps_parse() {
-        let b = bench(&[
-            "--url",
-            "http://h:1",
-            "--concurrency",
-            "1,2,8",
-            "--input-tokens",
-            "normal:64,8",
-        ]);
-        assert!(b.command.is_none());
-        let cfg = b.run.config().unwrap();
-        assert_eq!(cfg.load, LoadConfig::Closed { concurrency: vec![1, 2, 8] });
-        assert_eq!(cfg.endpoint.url, "http://h:1");
-        assert!(matches!(
-            cfg.workload,
-            WorkloadConfig::Synthetic { input: LengthDist::Normal { .. }, .. }
-        ));
-
-        let b = bench(&["run", "--request-rate", "5,10", "--duration", "2"]);
-        let Some(BenchCommand::Run(r)) = b.command else { panic!() };
-        let cfg = r.config().unwrap();
-        assert_eq!(cfg.load, LoadConfig::Poisson { rates: vec![5.0, 10.0] });
-        assert_eq!(cfg.duration, Some(Duration::from_secs(2)));
-
-        let b = bench(&["compare", "a.json", "b.json"]);
-        assert!(matches!(b.command, Some(BenchCommand::Compare(_))));
-
-        let b = bench(&["--trace", "t.jsonl"]);
-        let cfg = b.run.config().unwrap();
-        assert_eq!(cfg.load, LoadConfig::Trace { speeds: vec![1.0] });
-        assert!(matches!(cfg.workload, WorkloadConfig::Trace { block_tokens: 512, .. }));
-    }
-
-    #[test]
-    fn conflicting_or_bad_options_are_refused() {
-        let parse = |a: &[&str]| {
-            let mut argv = vec!["kvx", "bench"];
-            argv.extend_from_slice(a);
-            Cli::try_parse_from(argv)
-        };
-        assert!(parse(&["--concurrency", "2", "--request-rate", "3"]).is_err());
-        assert!(parse(&["--trace-speed", "2"]).is_err(), "needs --trace");
-        assert!(parse(&["--input-tokens", "normal:5"]).is_err());
-        assert!(parse(&["compare", "a.json"]).is_err());
-        assert!(bench(&["--extra-body", "[1]"]).run.config().is_err());
-        assert!(bench(&["--header", "nocolon"]).run.config().is_err());
-        assert!(bench(&["--workload", "prompts"]).run.config().is_err());
-    }
 }

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kvx_kernels::par::ThreadPool;
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
+use kvx_worker::EngineKind;
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -31,13 +31,13 @@ pub(crate) struct EngineBenchArgs {
 }
 
 pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
-    let loaded = args.engine.load(rt)?;
-    let mut opts = args.engine.clone();
-    opts.max_batched_tokens = opts.max_batched_tokens.max(args.pp.max(1));
-    opts.max_num_seqs = 1;
-    let threads = super::engine::threads_per_engine(&opts, rt.cores, 1);
-    let kernels = rt.kernels()?;
-    let n_vocab = loaded.model.cfg.n_vocab as u32;
+    let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
+    setup.limits.max_batched_tokens = setup.limits.max_batched_tokens.max(args.pp.max(1));
+    setup.limits.max_num_seqs = 1;
+    let prepared = setup.prepare()?;
+    let threads = setup.threads_per_engine;
+    let kernels = setup.kernels;
+    let n_vocab = prepared.model().context("model engines load a model")?.cfg.n_vocab as u32;
     // Random-looking prompt tokens, as llama-bench uses.
     let token = |i: usize| 100 + ((i as u64 * 2_654_435_761) % u64::from(n_vocab - 200)) as u32;
     let mut pp = Vec::new();
@@ -45,8 +45,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
     let mut id = 0u64;
     let mut run_one = |prompt: Vec<u32>, max_tokens: u32| -> Result<(f64, f64)> {
         // A fresh engine per test: nothing cached, like a new llama.cpp context.
-        let pool = ThreadPool::new(threads).context("starting kernel threads")?;
-        let mut engine = opts.engine(&loaded, kernels, pool, 1, 0)?;
+        let mut engine = prepared.engine(0)?;
         id += 1;
         let req = GenerateRequest {
             id: RequestId(id),
@@ -88,12 +87,12 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
     };
     let (pp_med, tg_med) = (med(&mut pp), med(&mut tg));
     // `--fast-math` takes effect only where the level has the row-lane kernels.
-    let math = if opts.fast_math && kernels.lanes.is_some() { "fast" } else { "ggml-exact" };
+    let math = if setup.fast_math && kernels.lanes.is_some() { "fast" } else { "ggml-exact" };
     if args.json {
         println!(
             "{}",
             serde_json::json!({
-                "model": loaded.path.display().to_string(),
+                "model": setup.model.as_ref().map(|p| p.display().to_string()),
                 "threads": threads,
                 "kernels": kernels.level.name(),
                 "arithmetic": math,

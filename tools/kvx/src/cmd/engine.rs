@@ -1,20 +1,10 @@
-//! Engine flags shared by the commands that run the model (`generate`, `serve`, `worker`),
-//! and the one place that turns them into a model, tokenizer and engine.
+//! Engine flags shared by the commands that run engines (`generate`, `serve`, `worker`,
+//! `bench engine`), turned into the one resolved [`EngineSetup`] they all use.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use clap::builder::FalseyValueParser;
-use kvx_engine::scheduler::SchedulerConfig;
-use kvx_engine::{Engine, EngineConfig, EngineError, ModelBackend};
-use kvx_kernels::cpu::Kernels;
-use kvx_kernels::cpu::lanes::LaneMath;
-use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{KvCache, LlamaModel};
-use kvx_kernels::par::ThreadPool;
-use kvx_tokenizer::Tokenizer;
+use kvx_worker::{EngineKind, EngineLimits, EngineSetup};
 
 use super::Runtime;
 
@@ -56,133 +46,30 @@ pub(crate) struct EngineOpts {
     pub(crate) fast_math: bool,
 }
 
-/// A loaded model with its tokenizer.
-#[derive(Debug, Clone)]
-pub(crate) struct Loaded {
-    #[allow(dead_code)]
-    pub(crate) path: PathBuf,
-    pub(crate) model: Arc<LlamaModel>,
-    pub(crate) tokenizer: Arc<Tokenizer>,
-}
-
 impl EngineOpts {
-    /// Resolves and loads the model (pulling the default one on first use).
-    pub(crate) fn load(&self, rt: &Runtime) -> Result<Loaded> {
-        let path = rt.store.resolve(self.model.as_deref())?;
-        let tokenizer = Tokenizer::from_gguf_path(&path)
-            .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
-        let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        let mut model = LlamaModel::load(Arc::new(file))
-            .with_context(|| format!("loading {}", path.display()))?;
-        let math = if self.fast_math { LaneMath::Fast } else { LaneMath::Exact };
-        let bytes = model
-            .repack(rt.kernels()?, math)
-            .with_context(|| format!("repacking {}", path.display()))?;
-        tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
-        Ok(Loaded { path, model: Arc::new(model), tokenizer: Arc::new(tokenizer) })
-    }
-
-    /// KV blocks for one of `engines` engines.
-    pub(crate) fn kv_blocks(&self, model: &LlamaModel, engines: usize) -> usize {
-        let bytes =
-            self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / engines.max(1) as u64);
-        let max_useful =
-            model.cfg.context_length.max(1).div_ceil(self.block_size) * self.max_num_seqs.max(1);
-        KvCache::blocks_for_budget(&model.cfg, self.block_size, bytes).clamp(1, max_useful.max(1))
-    }
-
-    /// The scheduler limits.
-    pub(crate) fn sched(&self, model: &LlamaModel) -> SchedulerConfig {
-        SchedulerConfig {
-            block_size: self.block_size.max(1),
-            max_num_seqs: self.max_num_seqs.max(1),
-            max_batched_tokens: self.max_batched_tokens.max(1),
+    /// The resolved setup of `kind` engines (the model file resolved, and pulled on first
+    /// use, unless a tokenizer-free mocker is asked for with `model_needed` false).
+    pub(crate) fn setup(
+        &self,
+        rt: &Runtime,
+        kind: EngineKind,
+        model_needed: bool,
+    ) -> Result<EngineSetup> {
+        let model =
+            if model_needed { Some(rt.store.resolve(self.model.as_deref())?) } else { None };
+        let mut s = EngineSetup::new(kind, model, rt.kernels()?);
+        s.fast_math = self.fast_math;
+        s.kv_cache_bytes = self.kv_cache_bytes;
+        s.limits = EngineLimits {
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
             max_waiting: self.max_waiting,
             chunked_prefill: !self.no_chunked_prefill,
-            max_model_len: model.cfg.context_length,
             prefix_caching: !self.no_prefix_caching,
-        }
+        };
+        // One engine on the command line gets every core unless told otherwise.
+        s.threads_per_engine = self.threads.unwrap_or(rt.cores).max(1);
+        Ok(s)
     }
-
-    /// An engine over the model on its own kernel pool.
-    pub(crate) fn engine(
-        &self,
-        loaded: &Loaded,
-        kernels: &'static Kernels,
-        pool: ThreadPool,
-        engines: usize,
-        worker_id: u64,
-    ) -> Result<Engine> {
-        let sched = self.sched(&loaded.model);
-        let blocks = self.kv_blocks(&loaded.model, engines);
-        let max_ctx = sched.max_model_len.min(blocks * sched.block_size);
-        let backend = ModelBackend::new(
-            loaded.model.clone(),
-            kernels,
-            pool,
-            blocks,
-            sched.block_size,
-            sched.max_batched_tokens,
-            max_ctx,
-        )?;
-        Ok(Engine::new(
-            EngineConfig { sched, worker_id },
-            Box::new(backend),
-            Some(loaded.tokenizer.clone()),
-        ))
-    }
-}
-
-impl EngineOpts {
-    /// The constructor of one shard's engine, run on the shard's own thread: a kernel pool of
-    /// `threads` threads (pinned to `cores`, thread `i` to `cores[i]`, unless `cores` is empty)
-    /// and the engine over it.
-    pub(crate) fn shard_engine(
-        &self,
-        loaded: &Loaded,
-        kernels: &'static Kernels,
-        threads: usize,
-        cores: Vec<usize>,
-        engines: usize,
-        worker_id: u64,
-    ) -> impl FnOnce() -> Result<Engine, EngineError> + Send + 'static {
-        let (opts, loaded) = (self.clone(), loaded.clone());
-        move || {
-            let internal = |e: anyhow::Error| EngineError::Internal(format!("{e:#}"));
-            let pool = if cores.is_empty() {
-                ThreadPool::new(threads).context("starting kernel threads")
-            } else {
-                pinned_pool(threads, cores)
-            }
-            .map_err(internal)?;
-            opts.engine(&loaded, kernels, pool, engines, worker_id).map_err(internal)
-        }
-    }
-}
-
-fn default_kv_bytes() -> u64 {
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
-        })
-        .map_or(8 << 30, |kb| kb * 1024);
-    (total / 4).min(4 << 30)
-}
-
-/// Threads for each of `engines` engines on `cores` cores.
-pub(crate) fn threads_per_engine(opts: &EngineOpts, cores: usize, engines: usize) -> usize {
-    opts.threads.unwrap_or((cores / engines.max(1)).max(1))
-}
-
-/// Builds a kernel pool whose threads are pinned to `cores` (thread `i` to `cores[i]`).
-pub(crate) fn pinned_pool(n: usize, cores: Vec<usize>) -> Result<ThreadPool> {
-    ThreadPool::with_start_hook(n, move |i| {
-        if let Some(&c) = cores.get(i) {
-            kvx_worker::pin_current(c);
-        }
-    })
-    .context("starting kernel threads")
 }

@@ -4,20 +4,18 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use kvx_ingress::{Dispatcher, ModelInfo, Server};
-use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::LlamaConfig;
-use kvx_tokenizer::Tokenizer;
+use kvx_planes::{RemotePlane, RemotePlaneConfig};
+use kvx_worker::ModelMeta;
 
 use super::Runtime;
-use super::http_opts::{HttpOpts, shutdown_signal};
+use super::http_opts::{HttpOpts, created_now, shutdown_signal};
 use super::router_opts::RouterOpts;
 use super::worker::PlaneOpts;
-use crate::remote::{RemoteConfig, RemotePlane};
 
 #[derive(Debug, Args)]
 pub(crate) struct FrontendArgs {
@@ -52,22 +50,19 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
     let router = args.router.config(args.block_size)?;
     let path = rt.store.resolve(args.model.as_deref())?;
     let name = args.http.model_name(args.model.as_deref());
-    let tokenizer = Arc::new(
-        Tokenizer::from_gguf_path(&path)
-            .with_context(|| format!("loading the tokenizer of {}", path.display()))?,
-    );
-    let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
-    let context_length =
-        LlamaConfig::from_gguf(&file).context("reading the model's configuration")?.context_length;
-    drop(file);
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let model = ModelInfo { name: name.clone(), context_length, tokenizer, created };
-    let remote = RemoteConfig {
+    let meta = ModelMeta::read(&path)?;
+    let model = ModelInfo {
+        name: name.clone(),
+        context_length: meta.config.context_length,
+        tokenizer: meta.tokenizer,
+        created: created_now(),
+    };
+    let remote = RemotePlaneConfig {
         model: name.clone(),
         heartbeat: args.plane.heartbeat(),
         heartbeat_timeout: args.plane.heartbeat_timeout(),
         max_attempts: args.max_attempts.max(1),
-        ..RemoteConfig::default()
+        ..RemotePlaneConfig::default()
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let runtime = args.http.runtime(cores, "kvx-frontend")?;

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvx_kernels::par::ThreadPool;
 use kvx_proto::{FinishReason, GenerateRequest, RequestId, SamplingOptions, StopConditions, Usage};
 use kvx_tokenizer::{ChatMessage, Tokenizer};
+use kvx_worker::EngineKind;
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -141,8 +141,11 @@ struct Job {
 }
 
 pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
-    let loaded = args.engine.load(rt)?;
-    let tok = &loaded.tokenizer;
+    let concurrency = args.concurrency.max(1);
+    let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
+    setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(concurrency);
+    let prepared = setup.prepare()?;
+    let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let texts: Vec<String> = match (&args.prompt, &args.prompts_file) {
         (Some(p), _) => vec![p.clone()],
         (None, Some(f)) => std::fs::read_to_string(f)
@@ -157,12 +160,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
         .iter()
         .map(|t| Ok(tok.encode_prompt(&prompt_text(tok, t, args.chat, args.system.as_deref())?)?))
         .collect::<Result<_>>()?;
-    let concurrency = args.concurrency.max(1);
-    let mut opts = args.engine.clone();
-    opts.max_num_seqs = opts.max_num_seqs.min(concurrency);
-    let threads = super::engine::threads_per_engine(&opts, rt.cores, 1);
-    let pool = ThreadPool::new(threads).context("starting kernel threads")?;
-    let mut engine = opts.engine(&loaded, rt.kernels()?, pool, 1, 0)?;
+    let mut engine = prepared.engine(0)?;
     let sampling = SamplingOptions {
         temperature: args.temperature,
         top_k: args.top_k as u32,

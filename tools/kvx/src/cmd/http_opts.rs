@@ -3,7 +3,7 @@
 //! serving command uses (the served model name, the shutdown signal).
 
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -89,6 +89,11 @@ pub(crate) fn served_name(spec: Option<&str>) -> String {
         Some(k) => k.name.to_string(),
         None => path.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
     }
+}
+
+/// Unix seconds now (a served model's `created`).
+pub(crate) fn created_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// Completes on SIGTERM or Ctrl-C.

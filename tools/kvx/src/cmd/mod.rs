@@ -11,6 +11,7 @@ use kvx_kernels::cpu::{self, Kernels, SimdLevel};
 use crate::models::{Store, default_home};
 
 mod bench;
+mod bench_config;
 mod bench_engine;
 mod bench_xfer;
 mod engine;

@@ -41,8 +41,7 @@ impl RouterOpts {
     /// The router configuration for workers with `block_size`-token KV blocks.
     pub(crate) fn config(&self, block_size: usize) -> Result<RouterConfig> {
         let mut cfg = RouterConfig {
-            block_size: u32::try_from(block_size.max(1))
-                .map_err(|_| anyhow::anyhow!("--block-size {block_size} is too large"))?,
+            block_size,
             mode: match self.router_mode {
                 RouterMode::Kv => RoutingMode::Kv,
                 RouterMode::RoundRobin => RoutingMode::RoundRobin,

@@ -9,11 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use kvx_engine::mocker::{MockBackend, MockConfig};
-use kvx_engine::scheduler::SchedulerConfig;
-use kvx_engine::{Engine, EngineConfig, EngineError};
 use kvx_worker::remote::Link;
-use kvx_worker::{Hosted, RemoteConfig, ShardConfig, ShardEvent};
+use kvx_worker::{EngineKind, MockerSetup, RemoteConfig, Started};
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -107,95 +104,35 @@ fn random_base() -> u64 {
     (h >> 17) << 16 | 1
 }
 
-fn sched(opts: &EngineOpts, max_model_len: usize) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size: opts.block_size.max(1),
-        max_num_seqs: opts.max_num_seqs.max(1),
-        max_batched_tokens: opts.max_batched_tokens.max(1),
-        max_waiting: opts.max_waiting,
-        chunked_prefill: !opts.no_chunked_prefill,
-        max_model_len,
-        prefix_caching: !opts.no_prefix_caching,
-    }
-}
-
 pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
-    if !(args.speedup_ratio.is_finite() && args.speedup_ratio > 0.0) {
-        bail!("--speedup-ratio must be a positive number");
-    }
     if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
         bail!("--shutdown-grace must be a non-negative number of seconds");
     }
-    let n = args.shards.max(1);
-    let base = args.worker_id.unwrap_or_else(random_base);
     let name =
         args.served_model_name.clone().unwrap_or_else(|| served_name(args.opts.model.as_deref()));
-    // Shard events of every engine on one bounded channel; the planes relay them.
-    let (ev_tx, ev_rx) = std::sync::mpsc::sync_channel::<ShardEvent>(1 << 16);
-    let mut hosted = Vec::with_capacity(n);
-    let synthetic_text;
-    match args.engine {
-        WorkerEngine::Mocker => {
-            synthetic_text = true;
-            let sched = sched(&args.opts, args.mocker_max_model_len.max(1));
-            let mock = MockConfig {
-                n_vocab: args.mocker_vocab.max(2),
-                n_blocks: args.mocker_blocks.max(1),
-                speedup: args.speedup_ratio,
-                avoid: Vec::new(),
-            };
-            for i in 0..n {
-                let worker_id = base + i as u64;
-                let (sched2, mock2) = (sched.clone(), mock.clone());
-                let make = move || {
-                    let ec = EngineConfig { sched: sched2, worker_id };
-                    Ok(Engine::new(ec, Box::new(MockBackend::new(mock2)), None))
-                };
-                let shard = spawn(i, None, make, &ev_tx)?;
-                hosted.push(Hosted {
-                    worker_id,
-                    kv_blocks: mock.n_blocks as u32,
-                    max_num_seqs: sched.max_num_seqs as u32,
-                    shard,
-                });
-            }
-        }
-        WorkerEngine::Model => {
-            synthetic_text = false;
-            let loaded = args.opts.load(rt)?;
-            let kernels = rt.kernels()?;
-            let blocks = args.opts.kv_blocks(&loaded.model, n);
-            let tps = args.threads_per_shard.max(1);
-            let cores: Vec<usize> = core_affinity::get_core_ids()
-                .map(|v| v.into_iter().map(|c| c.id).collect())
-                .unwrap_or_default();
-            let pin = n * tps <= cores.len();
-            for i in 0..n {
-                let worker_id = base + i as u64;
-                let mine: Vec<usize> = if pin {
-                    cores.iter().skip(i * tps).take(tps).copied().collect()
-                } else {
-                    Vec::new()
-                };
-                let core = mine.first().copied();
-                let make = args.opts.shard_engine(&loaded, kernels, tps, mine, n, worker_id);
-                let shard = spawn(i, core, make, &ev_tx)?;
-                hosted.push(Hosted {
-                    worker_id,
-                    kv_blocks: blocks as u32,
-                    max_num_seqs: args.opts.max_num_seqs as u32,
-                    shard,
-                });
-            }
-        }
-    }
-    drop(ev_tx);
+    let mocker = args.engine == WorkerEngine::Mocker;
+    let kind = if mocker { EngineKind::Mocker } else { EngineKind::Model };
+    // Mock engines here are tokenizer-free: the model file is not read at all.
+    let mut setup = args.opts.setup(rt, kind, !mocker)?;
+    setup.engines = args.shards.max(1);
+    setup.threads_per_engine = args.threads_per_shard.max(1);
+    setup.first_worker_id = args.worker_id.unwrap_or_else(random_base);
+    setup.pin = true;
+    setup.mocker = MockerSetup {
+        speedup: args.speedup_ratio,
+        blocks: Some(args.mocker_blocks),
+        vocab: Some(args.mocker_vocab),
+        max_model_len: Some(args.mocker_max_model_len),
+    };
+    let (n, first) = (setup.engines, setup.first_worker_id);
+    let prepared = setup.prepare()?;
+    let started = prepared.start()?;
     let cfg = RemoteConfig {
         model: name.clone(),
-        block_size: args.opts.block_size.max(1) as u32,
+        block_size: prepared.block_size(),
         heartbeat: args.plane.heartbeat(),
         heartbeat_timeout: args.plane.heartbeat_timeout(),
-        synthetic_text,
+        synthetic_text: mocker,
         ..RemoteConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -203,9 +140,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         .build()
         .context("starting the runtime")?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let frontend = args.frontend.clone();
-    let listen = args.listen;
-    let first = hosted.first().map_or(base, |h| h.worker_id);
+    let (frontend, listen) = (args.frontend.clone(), args.listen);
     let (hosted, result) = runtime.block_on(async move {
         let link = match (frontend, listen) {
             (_, Some(addr)) => {
@@ -221,17 +156,15 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         };
         say(&format!(
             "kvx: worker serving {name} with {n} {} engine(s), worker ids {first}..={}",
-            match args.engine {
-                WorkerEngine::Model => "model",
-                WorkerEngine::Mocker => "mocker",
-            },
+            kind.name(),
             first + n as u64 - 1,
         ));
         tokio::spawn(async move {
             shutdown_signal().await;
             let _ = stop_tx.send(true);
         });
-        anyhow::Ok(kvx_worker::remote::serve(cfg, hosted, ev_rx, link, stop_rx).await)
+        let Started { shards, events } = started;
+        anyhow::Ok(kvx_worker::remote::serve(cfg, shards, events, link, stop_rx).await)
     })?;
     let grace = Duration::from_secs_f64(args.shutdown_grace);
     for h in &hosted {
@@ -247,14 +180,4 @@ fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
-}
-
-fn spawn(
-    index: usize,
-    core: Option<usize>,
-    make: impl FnOnce() -> Result<Engine, EngineError> + Send + 'static,
-    events: &std::sync::mpsc::SyncSender<ShardEvent>,
-) -> Result<kvx_worker::ShardHandle> {
-    kvx_worker::spawn(ShardConfig { index, core, inbox_capacity: 4096 }, make, Some(events.clone()))
-        .map_err(|e| anyhow::anyhow!("starting engine {index}: {e}"))
 }

@@ -13,49 +13,48 @@
 //! for a request before its first token gets the request placed elsewhere too. Placements per
 //! request are bounded (`max_attempts`).
 
+mod session;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
 use kvx_proto::hashing::seed_for;
-use kvx_proto::plane::{
-    Cancel, Heartbeat, KvEvents, Load, Note, NoteKind, OutputMsg, Register, Registered, Snapshot,
-    SnapshotRequest, Submit, kind,
-};
-use kvx_proto::wire::{self, WireError};
+use kvx_proto::plane::{Cancel, OutputMsg, Register, Registered, Submit};
+use kvx_proto::wire;
 use kvx_proto::{ErrorClass, GenerateRequest, Output, RequestId, WorkerId, WorkerMetrics};
 use kvx_router::{RequestBlocks, Router, RouterConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender, unbounded_channel};
+use kvx_worker::output_channel;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
-use crate::plane::{resync_from, router_metrics};
+use crate::PlaneError;
+use crate::feed::router_metrics;
 
 /// Settings of the remote planes, frontend side.
 #[derive(Debug, Clone)]
-pub(crate) struct RemoteConfig {
+pub struct RemotePlaneConfig {
     /// The served model's name; workers must register with it.
-    pub(crate) model: String,
+    pub model: String,
     /// Heartbeat period.
-    pub(crate) heartbeat: Duration,
+    pub heartbeat: Duration,
     /// A worker connection silent this long is dead.
-    pub(crate) heartbeat_timeout: Duration,
+    pub heartbeat_timeout: Duration,
     /// Largest frame accepted.
-    pub(crate) max_frame: usize,
+    pub max_frame: usize,
     /// Frames queued per connection at most (a full queue makes the router try another
     /// worker, then refuse with `Overloaded`).
-    pub(crate) conn_queue: usize,
+    pub conn_queue: usize,
     /// Placements of one request at most (the first one and the retries).
-    pub(crate) max_attempts: u32,
+    pub max_attempts: u32,
 }
 
-impl Default for RemoteConfig {
+impl Default for RemotePlaneConfig {
     fn default() -> Self {
-        RemoteConfig {
+        RemotePlaneConfig {
             model: String::new(),
             heartbeat: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(5),
@@ -120,7 +119,7 @@ struct State {
 }
 
 struct Shared {
-    cfg: RemoteConfig,
+    cfg: RemotePlaneConfig,
     block_size: usize,
     state: Mutex<State>,
     start: Instant,
@@ -128,7 +127,7 @@ struct Shared {
 }
 
 /// Remote workers as one dispatcher.
-pub(crate) struct RemotePlane {
+pub struct RemotePlane {
     shared: Arc<Shared>,
 }
 
@@ -140,14 +139,13 @@ impl std::fmt::Debug for RemotePlane {
 
 impl RemotePlane {
     /// Starts accepting workers on `listener` (inside a tokio runtime).
-    pub(crate) fn start(
-        cfg: RemoteConfig,
+    pub fn start(
+        cfg: RemotePlaneConfig,
         router: RouterConfig,
         listener: TcpListener,
-    ) -> anyhow::Result<Arc<Self>> {
-        let block_size = router.block_size as usize;
-        let router =
-            Router::new(router).map_err(|e| anyhow::anyhow!("router configuration: {e}"))?;
+    ) -> Result<Arc<Self>, PlaneError> {
+        let block_size = router.block_size;
+        let router = Router::new(router)?;
         let max_attempts = cfg.max_attempts.max(1);
         let shared = Arc::new(Shared {
             cfg,
@@ -163,15 +161,15 @@ impl RemotePlane {
             start: Instant::now(),
             next_conn: AtomicU64::new(1),
         });
-        tokio::spawn(accept_loop(shared.clone(), listener));
-        tokio::spawn(maintenance(shared.clone()));
+        tokio::spawn(session::accept_loop(shared.clone(), listener));
+        tokio::spawn(session::maintenance(shared.clone()));
         Ok(Arc::new(RemotePlane { shared }))
     }
 
     /// Connects to a worker process listening at `addr` (the static-list direction), and
     /// again whenever the connection is lost.
-    pub(crate) fn dial(&self, addr: String) {
-        tokio::spawn(dial_loop(self.shared.clone(), addr));
+    pub fn dial(&self, addr: String) {
+        tokio::spawn(session::dial_loop(self.shared.clone(), addr));
     }
 }
 
@@ -320,14 +318,14 @@ impl State {
         &mut self,
         conn: u64,
         r: Register,
-        cfg: &RemoteConfig,
+        cfg: &RemotePlaneConfig,
         block_size: usize,
         now: Duration,
     ) {
         let w = r.worker_id;
         let refuse = if r.model != cfg.model {
             Some(format!("this frontend serves model {:?}, not {:?}", cfg.model, r.model))
-        } else if r.block_size as usize != block_size {
+        } else if r.block_size != block_size {
             Some(format!(
                 "this frontend routes blocks of {block_size} tokens, not {}",
                 r.block_size
@@ -421,7 +419,7 @@ impl Dispatcher for RemotePlane {
         let seed = seed_for(req.salt.as_deref(), None);
         let blocks = RequestBlocks::from_tokens(&req.prompt, s.block_size, seed);
         let now = s.now();
-        let (tx, rx) = unbounded_channel();
+        let (tx, rx) = output_channel();
         let mut st = s.lock();
         let w = st.place(&req, &blocks, now, &[])?;
         let id = req.id;
@@ -463,233 +461,5 @@ impl Dispatcher for RemotePlane {
         m.push(("plane_requests_failed_worker_lost_total", st.counters.failed_worker_lost as f64));
         m.push(("plane_workers_lost_total", st.counters.workers_lost as f64));
         m
-    }
-}
-
-async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    loop {
-        match listener.accept().await {
-            Ok((stream, peer)) => {
-                tokio::spawn(connection(shared.clone(), stream, peer));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a worker connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
-async fn dial_loop(shared: Arc<Shared>, addr: String) {
-    let mut backoff = Duration::from_millis(100);
-    let mut warned = false;
-    loop {
-        match TcpStream::connect(&addr).await {
-            Ok(stream) => {
-                backoff = Duration::from_millis(100);
-                warned = false;
-                let peer =
-                    stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-                connection(shared.clone(), stream, peer).await;
-            }
-            Err(e) => {
-                if !warned {
-                    tracing::warn!(worker = %addr, error = %e, "cannot reach the worker; retrying");
-                    warned = true;
-                }
-            }
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-}
-
-/// Serves one worker connection until it dies.
-async fn connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
-    let _ = stream.set_nodelay(true);
-    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-    let (tx, rx) = mpsc::channel(shared.cfg.conn_queue.max(1));
-    shared.lock().conns.insert(conn, Conn { tx, workers: Vec::new(), peer });
-    let (rd, wr) = stream.into_split();
-    let mut writer = tokio::spawn(write_loop(wr, rx, shared.cfg.heartbeat));
-    let why = tokio::select! {
-        why = read_loop(&shared, conn, rd) => why,
-        w = &mut writer => match w {
-            Ok(why) => why,
-            Err(e) => format!("writer: {e}"),
-        },
-    };
-    writer.abort();
-    let now = shared.now();
-    shared.lock().conn_lost(conn, &why, now);
-}
-
-async fn write_loop(
-    mut wr: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Down>,
-    heartbeat: Duration,
-) -> String {
-    let mut buf = Vec::with_capacity(64 << 10);
-    let mut hb = tokio::time::interval(heartbeat);
-    hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut seq = 0u64;
-    loop {
-        let mut close = false;
-        tokio::select! {
-            d = rx.recv() => match d {
-                Some(d) => close |= encode(d, &mut buf),
-                None => return "the frontend closed the connection".into(),
-            },
-            _ = hb.tick() => {
-                seq += 1;
-                put(kind::HEARTBEAT, &Heartbeat { seq }, &mut buf);
-            }
-        }
-        while buf.len() < 256 << 10 && !close {
-            match rx.try_recv() {
-                Ok(d) => close |= encode(d, &mut buf),
-                Err(_) => break,
-            }
-        }
-        if let Err(e) = wr.write_all(&buf).await {
-            return format!("writing: {e}");
-        }
-        buf.clear();
-        if close {
-            return "replaced by a newer connection of its worker".into();
-        }
-    }
-}
-
-/// Encodes a frame; true for [`Down::Close`].
-fn encode(d: Down, buf: &mut Vec<u8>) -> bool {
-    match d {
-        Down::Registered(r) => put(kind::REGISTERED, &r, buf),
-        Down::Submit(s) => put(kind::SUBMIT, &*s, buf),
-        Down::Cancel(c) => put(kind::CANCEL, &c, buf),
-        Down::Snapshot(w) => put(kind::SNAPSHOT_REQUEST, &SnapshotRequest { worker_id: w }, buf),
-        Down::Close => return true,
-    }
-    false
-}
-
-fn put<T: serde::Serialize>(k: u8, msg: &T, buf: &mut Vec<u8>) {
-    if let Err(e) = wire::encode(k, msg, buf) {
-        tracing::error!(kind = k, error = %e, "encoding a frame");
-    }
-}
-
-/// A decoded frame from a worker.
-enum Up {
-    Register(Register),
-    Output(OutputMsg),
-    Kv(KvEvents),
-    Note(Note),
-    Snapshot(Snapshot),
-    Load(Load),
-}
-
-fn decode(k: u8, payload: &[u8]) -> Result<Option<Up>, WireError> {
-    Ok(Some(match k {
-        kind::REGISTER => Up::Register(wire::decode(payload)?),
-        kind::OUTPUT => Up::Output(wire::decode(payload)?),
-        kind::KV_EVENTS => Up::Kv(wire::decode(payload)?),
-        kind::NOTE => Up::Note(wire::decode(payload)?),
-        kind::SNAPSHOT => Up::Snapshot(wire::decode(payload)?),
-        kind::LOAD => Up::Load(wire::decode(payload)?),
-        _ => return Ok(None), // heartbeats, and kinds of newer peers
-    }))
-}
-
-async fn read_loop(shared: &Shared, conn: u64, mut rd: OwnedReadHalf) -> String {
-    let cfg = &shared.cfg;
-    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
-    let mut ups = Vec::new();
-    loop {
-        buf.reserve(64 << 10);
-        match tokio::time::timeout(cfg.heartbeat_timeout, rd.read_buf(&mut buf)).await {
-            Err(_) => return format!("no heartbeat for {:?}", cfg.heartbeat_timeout),
-            Ok(Ok(0)) => return "connection closed".into(),
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return format!("reading: {e}"),
-        }
-        let mut off = 0;
-        loop {
-            match wire::split(&buf[off..], cfg.max_frame) {
-                Ok((k, payload, used)) => {
-                    match decode(k, payload) {
-                        Ok(Some(u)) => ups.push(u),
-                        Ok(None) => {}
-                        Err(e) => return format!("malformed frame of kind {k}: {e}"),
-                    }
-                    off += used;
-                }
-                Err(WireError::Incomplete) => break,
-                Err(e) => return format!("bad frame: {e}"),
-            }
-        }
-        buf.drain(..off);
-        if !ups.is_empty() {
-            let now = shared.now();
-            let mut st = shared.lock();
-            for u in ups.drain(..) {
-                apply(&mut st, shared, conn, u, now);
-            }
-        }
-    }
-}
-
-fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
-    match u {
-        Up::Register(r) => st.on_register(conn, r, &shared.cfg, shared.block_size, now),
-        Up::Output(m) => st.on_output(conn, m, now),
-        Up::Kv(k) => {
-            for ev in &k.events {
-                if st.owns(conn, ev.worker_id) {
-                    // A gap marks the worker for a resync, which the maintenance task asks for.
-                    let _ = st.router.apply_event(ev);
-                }
-            }
-        }
-        Up::Note(n) => {
-            if st.inflight.get(&n.id).is_some_and(|f| f.worker == n.worker_id) {
-                match n.note {
-                    NoteKind::FirstToken => {
-                        st.router.mark_prefill_done(n.id);
-                    }
-                    NoteKind::Finished => {
-                        st.router.free(n.id);
-                    }
-                }
-            }
-        }
-        Up::Snapshot(s) => {
-            if st.owns(conn, s.worker_id) {
-                resync_from(&mut st.router, s.worker_id, s.last_event_id, s.blocks);
-            }
-        }
-        Up::Load(l) => {
-            let w = l.metrics.load.worker_id;
-            if st.owns(conn, w) {
-                st.router.apply_load(&l.metrics.load);
-                if let Some(x) = st.workers.get_mut(&w) {
-                    x.metrics = l.metrics;
-                }
-            }
-        }
-    }
-}
-
-/// Expires lost requests and asks workers that lost events for snapshots, once a second.
-async fn maintenance(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tick.tick().await;
-        let now = shared.now();
-        let mut st = shared.lock();
-        st.router.expire(now);
-        for w in st.router.workers_needing_resync() {
-            st.send(w, Down::Snapshot(w));
-        }
     }
 }

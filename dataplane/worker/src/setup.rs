@@ -1,0 +1,581 @@
+//! One resolved configuration of a process's engines, and the one place that turns it into
+//! engines: model and tokenizer loading, KV sizing, scheduler limits, shard threads and their
+//! cores. `kvx serve`, `kvx worker`, `kvx generate` and `kvx bench engine` fill an
+//! [`EngineSetup`] from their flags and call [`EngineSetup::prepare`]; `kvx frontend`
+//! reads only [`ModelMeta`].
+//!
+//! Every value has one type from the flag to its use: the KV block size is a `usize` in the
+//! flag, here, in the scheduler, in the router and on the request plane's `Register`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+
+use kvx_engine::mocker::{MockBackend, MockConfig};
+use kvx_engine::scheduler::SchedulerConfig;
+use kvx_engine::{Engine, EngineConfig, EngineError, ModelBackend};
+use kvx_kernels::cpu::Kernels;
+use kvx_kernels::cpu::lanes::LaneMath;
+use kvx_kernels::gguf::GgufFile;
+use kvx_kernels::model::{KvCache, LlamaConfig, LlamaModel};
+use kvx_kernels::par::ThreadPool;
+use kvx_proto::WorkerId;
+use kvx_tokenizer::Tokenizer;
+
+use crate::remote::Hosted;
+use crate::shard::{self, ShardConfig, ShardEvent};
+
+/// Shard events of a process queued at most (a full queue drops KV events; the router sees
+/// the id gap and asks for a snapshot).
+pub const EVENT_QUEUE: usize = 1 << 16;
+
+/// What computes tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// The model on kvx's CPU kernels.
+    Model,
+    /// The mocker: the real scheduler and KV blocks with a timing model instead of kernels.
+    Mocker,
+}
+
+impl EngineKind {
+    /// The name printed in banners.
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Model => "model",
+            EngineKind::Mocker => "mocker",
+        }
+    }
+}
+
+/// Scheduler limits of every engine (the model's context length joins them at
+/// [`EngineSetup::prepare`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineLimits {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Sequences per step at most.
+    pub max_num_seqs: usize,
+    /// Tokens per step at most (prefill chunks and decode tokens together).
+    pub max_batched_tokens: usize,
+    /// Requests waiting for admission at most.
+    pub max_waiting: usize,
+    /// Split long prompts across steps.
+    pub chunked_prefill: bool,
+    /// Reuse KV blocks across requests.
+    pub prefix_caching: bool,
+}
+
+impl Default for EngineLimits {
+    fn default() -> Self {
+        let s = SchedulerConfig::default();
+        EngineLimits {
+            block_size: s.block_size,
+            max_num_seqs: s.max_num_seqs,
+            max_batched_tokens: s.max_batched_tokens,
+            max_waiting: s.max_waiting,
+            chunked_prefill: s.chunked_prefill,
+            prefix_caching: s.prefix_caching,
+        }
+    }
+}
+
+impl EngineLimits {
+    fn sched(&self, max_model_len: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            max_waiting: self.max_waiting,
+            chunked_prefill: self.chunked_prefill,
+            max_model_len,
+            prefix_caching: self.prefix_caching,
+        }
+    }
+}
+
+/// Settings of mock engines.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MockerSetup {
+    /// Simulated step times are divided by this.
+    pub speedup: f64,
+    /// KV blocks per engine (default: what the KV budget gives the model's shape).
+    pub blocks: Option<usize>,
+    /// Generated token ids are drawn below this (default: the model's whole vocabulary).
+    pub vocab: Option<usize>,
+    /// Longest prompt + output (default: the model's context length).
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for MockerSetup {
+    fn default() -> Self {
+        MockerSetup { speedup: 1.0, blocks: None, vocab: None, max_model_len: None }
+    }
+}
+
+/// The resolved configuration of a process's engines.
+#[derive(Debug, Clone)]
+pub struct EngineSetup {
+    /// What computes tokens.
+    pub kind: EngineKind,
+    /// The GGUF file: the weights of model engines; the tokenizer and metadata of mock
+    /// engines (`None`: tokenizer-free mock engines, whose sizes must all be given).
+    pub model: Option<PathBuf>,
+    /// The kernel table (the `--simd` choice or the best level).
+    pub kernels: &'static Kernels,
+    /// Products with one rounding per block and row instead of ggml's association.
+    pub fast_math: bool,
+    /// Scheduler limits.
+    pub limits: EngineLimits,
+    /// KV cache bytes per engine (default: a quarter of RAM, at most 4 GiB, split between
+    /// the engines; 1 GiB split between them for mock engines).
+    pub kv_cache_bytes: Option<u64>,
+    /// Engines (shards) in this process.
+    pub engines: usize,
+    /// Kernel threads per engine.
+    pub threads_per_engine: usize,
+    /// Worker id of the first engine; the others follow.
+    pub first_worker_id: WorkerId,
+    /// Pin each shard thread (and its kernel threads) to cores of its own, when there are
+    /// enough for all of them.
+    pub pin: bool,
+    /// Commands queued per shard at most.
+    pub inbox_capacity: usize,
+    /// Mock engines' settings.
+    pub mocker: MockerSetup,
+}
+
+/// Why engines could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// A value that cannot work.
+    #[error("{0}")]
+    Invalid(String),
+    /// The model file failed to open or load.
+    #[error("{what} {}: {source}", path.display())]
+    Model {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// An engine or its shard could not start.
+    #[error("starting engine {index}: {source}")]
+    Engine {
+        /// The engine's index in this process.
+        index: usize,
+        /// Why.
+        #[source]
+        source: EngineError,
+    },
+}
+
+fn model_err(
+    what: &'static str,
+    path: &Path,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> SetupError {
+    SetupError::Model { what, path: path.to_path_buf(), source: Box::new(e) }
+}
+
+/// What a frontend (or a mock engine) reads of a model: its tokenizer and shape, not its
+/// weights.
+#[derive(Debug, Clone)]
+pub struct ModelMeta {
+    /// Tokenizer and chat template.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's shape.
+    pub config: LlamaConfig,
+}
+
+impl ModelMeta {
+    /// Reads the tokenizer and configuration of the GGUF file at `path`.
+    pub fn read(path: &Path) -> Result<ModelMeta, SetupError> {
+        let tokenizer = Tokenizer::from_gguf_path(path)
+            .map_err(|e| model_err("loading the tokenizer of", path, e))?;
+        let file = GgufFile::open(path).map_err(|e| model_err("opening", path, e))?;
+        let config = LlamaConfig::from_gguf(&file)
+            .map_err(|e| model_err("reading the configuration of", path, e))?;
+        Ok(ModelMeta { tokenizer: Arc::new(tokenizer), config })
+    }
+
+    /// Vocabulary size (metadata may omit it; the tokenizer has it).
+    pub fn n_vocab(&self) -> usize {
+        self.config.n_vocab.max(self.tokenizer.vocab_size()).max(1)
+    }
+}
+
+/// The shared state of the engines: the loaded model or the mocker's settings.
+#[derive(Debug, Clone)]
+enum Backing {
+    Model(Arc<LlamaModel>),
+    Mocker(MockConfig),
+}
+
+/// A setup whose model is loaded and whose sizes are known: engines can be made from it.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    setup: EngineSetup,
+    backing: Backing,
+    tokenizer: Option<Arc<Tokenizer>>,
+    sched: SchedulerConfig,
+    kv_blocks: usize,
+}
+
+/// A process's engines running on their shard threads.
+#[derive(Debug)]
+pub struct Started {
+    /// The shards, in worker id order.
+    pub shards: Vec<Hosted>,
+    /// Their [`ShardEvent`]s, on one bounded channel.
+    pub events: Receiver<ShardEvent>,
+}
+
+impl EngineSetup {
+    /// Defaults for `engines` engines of `kind` on `kernels`.
+    pub fn new(kind: EngineKind, model: Option<PathBuf>, kernels: &'static Kernels) -> Self {
+        EngineSetup {
+            kind,
+            model,
+            kernels,
+            fast_math: false,
+            limits: EngineLimits::default(),
+            kv_cache_bytes: None,
+            engines: 1,
+            threads_per_engine: 1,
+            first_worker_id: 1,
+            pin: false,
+            inbox_capacity: 4096,
+            mocker: MockerSetup::default(),
+        }
+    }
+
+    /// `engines` tokenizer-free mock engines of `blocks` KV blocks each, drawing tokens below
+    /// `vocab`, taking `max_model_len` tokens per sequence, with time divided by `speedup`
+    /// (fleets of workers for tests and load generation; no model file is read).
+    pub fn tokenizer_free_mocker(
+        engines: usize,
+        blocks: usize,
+        vocab: usize,
+        max_model_len: usize,
+        speedup: f64,
+    ) -> Self {
+        let mut s = EngineSetup::new(EngineKind::Mocker, None, kvx_kernels::cpu::kernels());
+        s.engines = engines;
+        s.mocker = MockerSetup {
+            speedup,
+            blocks: Some(blocks),
+            vocab: Some(vocab),
+            max_model_len: Some(max_model_len),
+        };
+        s
+    }
+
+    /// Checks the values that no engine could run with.
+    pub fn validate(&self) -> Result<(), SetupError> {
+        let l = &self.limits;
+        let bad = |what: &str| Err(SetupError::Invalid(what.to_string()));
+        if l.block_size == 0 {
+            return bad("--block-size must be at least 1");
+        }
+        if l.max_num_seqs == 0 {
+            return bad("--max-num-seqs must be at least 1");
+        }
+        if l.max_batched_tokens == 0 {
+            return bad("--max-batched-tokens must be at least 1");
+        }
+        if self.engines == 0 {
+            return bad("at least one engine (shard) is needed");
+        }
+        if self.threads_per_engine == 0 {
+            return bad("at least one kernel thread per engine is needed");
+        }
+        if !(self.mocker.speedup.is_finite() && self.mocker.speedup > 0.0) {
+            return bad("--speedup-ratio must be a positive number");
+        }
+        if self.kv_cache_bytes == Some(0) {
+            return bad("--kv-cache-bytes must be positive");
+        }
+        match (self.kind, &self.model) {
+            (EngineKind::Model, None) => bad("model engines need a model file"),
+            (EngineKind::Mocker, None)
+                if self.mocker.blocks.is_none()
+                    || self.mocker.vocab.is_none()
+                    || self.mocker.max_model_len.is_none() =>
+            {
+                bad("mock engines without a model need their KV blocks, vocabulary and context")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Loads the model (weights repacked for the kernels) or the mocker's metadata, and
+    /// sizes the KV pool of each engine.
+    pub fn prepare(&self) -> Result<Prepared, SetupError> {
+        self.validate()?;
+        let (backing, tokenizer, sched, kv_blocks) = match (self.kind, &self.model) {
+            (EngineKind::Model, Some(path)) => {
+                let tokenizer = Tokenizer::from_gguf_path(path)
+                    .map_err(|e| model_err("loading the tokenizer of", path, e))?;
+                let file = GgufFile::open(path).map_err(|e| model_err("opening", path, e))?;
+                let mut model =
+                    LlamaModel::load(Arc::new(file)).map_err(|e| model_err("loading", path, e))?;
+                let math = if self.fast_math { LaneMath::Fast } else { LaneMath::Exact };
+                let bytes = model
+                    .repack(self.kernels, math)
+                    .map_err(|e| model_err("repacking", path, e))?;
+                tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
+                let sched = self.limits.sched(model.cfg.context_length);
+                let budget =
+                    self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);
+                let blocks = self.blocks_for(&model.cfg, budget, sched.max_model_len);
+                (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks)
+            }
+            (EngineKind::Model, None) => unreachable_model()?,
+            (EngineKind::Mocker, path) => {
+                let meta = path.as_deref().map(ModelMeta::read).transpose()?;
+                let m = &self.mocker;
+                let max_model_len = match (m.max_model_len, &meta) {
+                    (Some(n), _) => n,
+                    (None, Some(meta)) => meta.config.context_length,
+                    (None, None) => unreachable_model()?,
+                };
+                let sched = self.limits.sched(max_model_len.max(1));
+                let blocks = match (m.blocks, &meta) {
+                    (Some(b), _) => b,
+                    (None, Some(meta)) => {
+                        let budget =
+                            self.kv_cache_bytes.unwrap_or((1u64 << 30) / self.engines as u64);
+                        self.blocks_for(&meta.config, budget, max_model_len)
+                    }
+                    (None, None) => unreachable_model()?,
+                };
+                let n_vocab = match (&meta, m.vocab) {
+                    (Some(meta), Some(v)) => v.min(meta.n_vocab()),
+                    (Some(meta), None) => meta.n_vocab(),
+                    (None, Some(v)) => v,
+                    (None, None) => unreachable_model()?,
+                };
+                let tokenizer = meta.map(|m| m.tokenizer);
+                let mock = MockConfig {
+                    n_vocab: n_vocab.max(2),
+                    n_blocks: blocks.max(1),
+                    speedup: m.speedup,
+                    avoid: tokenizer.as_ref().map(|t| t.eog_ids().to_vec()).unwrap_or_default(),
+                };
+                (Backing::Mocker(mock), tokenizer, sched, blocks.max(1))
+            }
+        };
+        Ok(Prepared { setup: self.clone(), backing, tokenizer, sched, kv_blocks })
+    }
+
+    /// KV blocks a budget of `bytes` buys for `cfg`, at most what `max_num_seqs` sequences
+    /// of the whole context could use.
+    fn blocks_for(&self, cfg: &LlamaConfig, bytes: u64, context: usize) -> usize {
+        let bs = self.limits.block_size;
+        let max_useful = context.max(1).div_ceil(bs) * self.limits.max_num_seqs;
+        KvCache::blocks_for_budget(cfg, bs, bytes).clamp(1, max_useful.max(1))
+    }
+}
+
+fn unreachable_model<T>() -> Result<T, SetupError> {
+    Err(SetupError::Invalid("the engine setup needs a model file".into()))
+}
+
+impl Prepared {
+    /// The setup this was prepared from.
+    pub fn setup(&self) -> &EngineSetup {
+        &self.setup
+    }
+
+    /// The model's tokenizer (`None` for tokenizer-free mock engines).
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The loaded model (`None` for mock engines).
+    pub fn model(&self) -> Option<&Arc<LlamaModel>> {
+        match &self.backing {
+            Backing::Model(m) => Some(m),
+            Backing::Mocker(_) => None,
+        }
+    }
+
+    /// Scheduler limits of each engine.
+    pub fn sched(&self) -> &SchedulerConfig {
+        &self.sched
+    }
+
+    /// KV blocks of each engine's pool.
+    pub fn kv_blocks(&self) -> usize {
+        self.kv_blocks
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.sched.block_size
+    }
+
+    /// The longest prompt + output one engine takes.
+    pub fn context_limit(&self) -> usize {
+        let s = &self.sched;
+        let mut limit = s.max_model_len.min(self.kv_blocks * s.block_size);
+        if !s.chunked_prefill {
+            limit = limit.min(s.max_batched_tokens);
+        }
+        limit
+    }
+
+    /// One engine on the calling thread, with its own (unpinned) kernel threads.
+    pub fn engine(&self, worker_id: WorkerId) -> Result<Engine, SetupError> {
+        self.make(worker_id, Vec::new()).map_err(|source| SetupError::Engine { index: 0, source })
+    }
+
+    fn make(&self, worker_id: WorkerId, cores: Vec<usize>) -> Result<Engine, EngineError> {
+        let cfg = EngineConfig { sched: self.sched.clone(), worker_id };
+        match &self.backing {
+            Backing::Mocker(mock) => Ok(Engine::new(
+                cfg,
+                Box::new(MockBackend::new(mock.clone())),
+                self.tokenizer.clone(),
+            )),
+            Backing::Model(model) => {
+                let threads = self.setup.threads_per_engine;
+                let pool = if cores.is_empty() {
+                    ThreadPool::new(threads)
+                } else {
+                    ThreadPool::with_start_hook(threads, move |i| {
+                        if let Some(&c) = cores.get(i) {
+                            shard::pin_current(c);
+                        }
+                    })
+                }
+                .map_err(|e| EngineError::Internal(format!("starting kernel threads: {e}")))?;
+                let max_ctx = self.sched.max_model_len.min(self.kv_blocks * self.sched.block_size);
+                let backend = ModelBackend::new(
+                    model.clone(),
+                    self.setup.kernels,
+                    pool,
+                    self.kv_blocks,
+                    self.sched.block_size,
+                    self.sched.max_batched_tokens,
+                    max_ctx,
+                )?;
+                Ok(Engine::new(cfg, Box::new(backend), self.tokenizer.clone()))
+            }
+        }
+    }
+
+    /// Starts every engine on its shard thread: shard `i` is worker `first_worker_id + i`;
+    /// when pinned, it runs on its own core and its kernel threads on the next ones.
+    pub fn start(&self) -> Result<Started, SetupError> {
+        let (tx, events): (SyncSender<ShardEvent>, _) = sync_channel(EVENT_QUEUE);
+        let s = &self.setup;
+        let tps = s.threads_per_engine;
+        let cores = if s.pin { allowed_cores() } else { Vec::new() };
+        let pin = s.pin && s.engines * tps <= cores.len();
+        let mut shards = Vec::with_capacity(s.engines);
+        for i in 0..s.engines {
+            let worker_id = s.first_worker_id + i as u64;
+            let mine: Vec<usize> = if pin {
+                cores.iter().skip(i * tps).take(tps).copied().collect()
+            } else {
+                Vec::new()
+            };
+            let core = mine.first().copied();
+            let me = self.clone();
+            let make = move || me.make(worker_id, mine);
+            let cfg = ShardConfig { index: i, core, inbox_capacity: s.inbox_capacity };
+            let shard = shard::spawn(cfg, make, Some(tx.clone()))
+                .map_err(|source| SetupError::Engine { index: i, source })?;
+            shards.push(Hosted {
+                worker_id,
+                kv_blocks: self.kv_blocks,
+                max_num_seqs: self.sched.max_num_seqs,
+                shard,
+            });
+        }
+        Ok(Started { shards, events })
+    }
+}
+
+/// The CPUs this process may run on, in order.
+pub fn allowed_cores() -> Vec<usize> {
+    core_affinity::get_core_ids().map(|v| v.into_iter().map(|c| c.id).collect()).unwrap_or_default()
+}
+
+/// A quarter of the machine's memory, at most 4 GiB.
+fn default_kv_bytes() -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        })
+        .map_or(8 << 30, |kb| kb * 1024);
+    (total / 4).min(4 << 30)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mocker() -> EngineSetup {
+        EngineSetup::tokenizer_free_mocker(1, 64, 32, 512, 1000.0)
+    }
+
+    #[test]
+    fn tokenizer_free_mock_engines_need_their_sizes() {
+        let mut s = mocker();
+        assert!(s.validate().is_ok());
+        s.mocker.vocab = None;
+        assert!(matches!(s.validate(), Err(SetupError::Invalid(_))));
+    }
+
+    #[test]
+    fn bad_limits_are_refused_before_anything_loads() {
+        for f in [
+            (|s: &mut EngineSetup| s.limits.block_size = 0) as fn(&mut EngineSetup),
+            |s| s.limits.max_num_seqs = 0,
+            |s| s.engines = 0,
+            |s| s.mocker.speedup = f64::NAN,
+            |s| s.kv_cache_bytes = Some(0),
+        ] {
+            let mut s = mocker();
+            f(&mut s);
+            assert!(matches!(s.prepare(), Err(SetupError::Invalid(_))));
+        }
+        let s = EngineSetup::new(EngineKind::Model, None, kvx_kernels::cpu::kernels());
+        assert!(matches!(s.prepare(), Err(SetupError::Invalid(_))));
+    }
+
+    #[test]
+    fn started_shards_are_numbered_from_the_first_worker_id() {
+        let mut s = mocker();
+        s.engines = 3;
+        s.first_worker_id = 40;
+        let p = s.prepare().expect("prepare");
+        assert_eq!(p.kv_blocks(), 64);
+        assert_eq!(p.context_limit(), 512);
+        let started = p.start().expect("start");
+        let ids: Vec<_> = started.shards.iter().map(|h| h.worker_id).collect();
+        assert_eq!(ids, [40, 41, 42]);
+        assert!(started.shards.iter().all(|h| h.shard.is_alive() && h.kv_blocks == 64));
+    }
+
+    #[test]
+    fn the_context_is_bounded_by_the_pool_and_by_whole_prompts() {
+        let mut s = mocker();
+        s.mocker.blocks = Some(8);
+        let p = s.prepare().expect("prepare");
+        assert_eq!(p.context_limit(), 8 * 16);
+        let mut s = mocker();
+        s.limits.chunked_prefill = false;
+        s.limits.max_batched_tokens = 100;
+        assert_eq!(s.prepare().expect("prepare").context_limit(), 100);
+    }
+}
