@@ -68,9 +68,7 @@ fn run_main() -> Result<ExitCode> {
         }
         Some("tidy") => tidy::check(&root)?,
         _ => {
-            eprintln!(
-                "usage: cargo xtask <setup|test [--fast]|tidy> [-- extra cargo test args]"
-            );
+            eprintln!("usage: cargo xtask <setup|test [--fast]|tidy> [-- extra cargo test args]");
             return Ok(ExitCode::from(2));
         }
     }

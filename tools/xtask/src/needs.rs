@@ -77,10 +77,9 @@ impl Need {
     pub(crate) fn met(&self, python: &str) -> bool {
         match self.probe {
             Probe::AnyCommand(names) => names.iter().any(|n| on_path(n)),
-            Probe::Python(stmt) => Command::new(python)
-                .args(["-c", stmt])
-                .output()
-                .is_ok_and(|o| o.status.success()),
+            Probe::Python(stmt) => {
+                Command::new(python).args(["-c", stmt]).output().is_ok_and(|o| o.status.success())
+            }
         }
     }
 }

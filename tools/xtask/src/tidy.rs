@@ -97,7 +97,9 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         }
         if entry.file_type()?.is_dir() {
             walk(root, &path, out)?;
-        } else if rel.ends_with(".rs") || rel.ends_with("Cargo.toml") || rel.ends_with("clippy.toml")
+        } else if rel.ends_with(".rs")
+            || rel.ends_with("Cargo.toml")
+            || rel.ends_with("clippy.toml")
         {
             out.push(path);
         }
