@@ -486,6 +486,7 @@ impl Params {
             // The engine sends the token's own logprob only with at least one alternative.
             logprobs: self.logprobs.map(|n| n.max(1)),
             salt: None,
+            kv: Default::default(),
         })
     }
 }

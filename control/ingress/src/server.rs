@@ -563,6 +563,8 @@ async fn start(
                     guard.finish();
                     return Err(ApiError::from_class(class, message));
                 }
+                // The planes keep KV notes to themselves; one that got here says nothing.
+                Some(Output::Kv(_)) => {}
                 None => {
                     guard.finish();
                     return Err(ApiError::internal("the worker stopped before the request ended"));
@@ -680,6 +682,7 @@ impl SseBody {
                 sub.done = true;
                 self.writer.error(buf, &ApiError::from_class(class, message).json());
             }
+            Output::Kv(_) => {}
         }
     }
 }

@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvx_kernels::cpu::Kernels;
-use kvx_kernels::model::{KvCache, LlamaModel, Logits, Scratch, SeqChunk};
+use kvx_kernels::model::{KvCache, KvMemory, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
+use kvx_proto::KvRole;
 use kvx_proto::hashing::seed_for;
 use kvx_proto::{
     FinishReason, GenerateRequest, LoadReport, RequestId, TopLogprob, Usage, WorkerId,
@@ -23,7 +24,7 @@ use crate::EngineError;
 use crate::block_pool::BlockEvent;
 use crate::output::OutputState;
 use crate::sampler::{Sampler, SamplerState, SamplingParams};
-use crate::scheduler::{AddError, Scheduler, SchedulerConfig, SchedulerOutput, SeqId};
+use crate::scheduler::{AddError, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqStatus};
 
 /// What computes a step: fills one row of logits per chunk that wants one (`logits`), in order.
 pub trait Backend: Send {
@@ -71,8 +72,37 @@ impl ModelBackend {
         max_ctx: usize,
     ) -> Result<Self, EngineError> {
         let kv = KvCache::new(&model.cfg, n_blocks, block_size)?;
+        Ok(Self::over(model, kernels, pool, kv, max_tokens, max_ctx))
+    }
+
+    /// As [`ModelBackend::new`], with the KV cache in memory its owner lends (a transfer
+    /// agent's region, which peers write prompts' KV into), laid out as
+    /// [`KvCache::layout`] says.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_kv_memory(
+        model: Arc<LlamaModel>,
+        kernels: &'static Kernels,
+        pool: ThreadPool,
+        n_blocks: usize,
+        block_size: usize,
+        max_tokens: usize,
+        max_ctx: usize,
+        mem: Box<dyn KvMemory>,
+    ) -> Result<Self, EngineError> {
+        let kv = KvCache::with_memory(&model.cfg, n_blocks, block_size, mem)?;
+        Ok(Self::over(model, kernels, pool, kv, max_tokens, max_ctx))
+    }
+
+    fn over(
+        model: Arc<LlamaModel>,
+        kernels: &'static Kernels,
+        pool: ThreadPool,
+        kv: KvCache,
+        max_tokens: usize,
+        max_ctx: usize,
+    ) -> Self {
         let scratch = Scratch::new(&model, max_tokens, max_ctx, pool.n_threads());
-        Ok(ModelBackend { model, kernels, pool, kv, scratch })
+        ModelBackend { model, kernels, pool, kv, scratch }
     }
 }
 
@@ -115,6 +145,26 @@ pub struct SeqEvent {
     pub finish: Option<FinishReason>,
     /// Token counts (final when `finish` is set).
     pub usage: Usage,
+    /// A prefill-only request's prompt is computed: its blocks ([`Engine::blocks_of`]) are
+    /// held until [`Engine::release`].
+    pub prefilled: bool,
+}
+
+/// How [`Engine::add`] took a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Queued for admission.
+    Queued,
+    /// Reserved for KV from a prefill engine ([`KvRole::AwaitKv`]): the prompt's block
+    /// `first_block` on (those before are cached here) goes into `blocks`.
+    Reserved {
+        /// Index of the first block to receive.
+        first_block: usize,
+        /// The blocks.
+        blocks: Vec<u32>,
+    },
+    /// Asked to await KV but queued to be computed here: no room to reserve blocks now.
+    NotReserved,
 }
 
 /// The outputs of one step (buffers reused across steps).
@@ -200,6 +250,10 @@ pub struct Engine {
     stats: EngineStats,
     last_step_ms: f32,
     seed_counter: u64,
+    /// Start of the engine's clock for quarantined blocks.
+    epoch: Instant,
+    /// How long blocks a transfer could still write stay out of use.
+    kv_quarantine: std::time::Duration,
 }
 
 impl std::fmt::Debug for Engine {
@@ -237,6 +291,8 @@ impl Engine {
             stats: EngineStats::default(),
             last_step_ms: 0.0,
             seed_counter: 0x9e37_79b9_7f4a_7c15,
+            epoch: Instant::now(),
+            kv_quarantine: std::time::Duration::from_secs(60),
             sched,
             backend,
             tokenizer,
@@ -247,6 +303,18 @@ impl Engine {
     /// Settings.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// Blocks reserved for KV that did not arrive (or whose request was cancelled) stay out
+    /// of use this long, so that a late write lands in no other request's blocks (at least
+    /// the prefill side's transfer timeout; 60 s by default).
+    pub fn with_kv_quarantine(mut self, d: std::time::Duration) -> Self {
+        self.kv_quarantine = d;
+        self
+    }
+
+    fn clock_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
     /// The tokenizer, if any.
@@ -289,8 +357,8 @@ impl Engine {
         self.sched.pool_mut().drain_events(f);
     }
 
-    /// Queues a request.
-    pub fn add(&mut self, req: &GenerateRequest) -> Result<(), EngineError> {
+    /// Queues a request (or, for [`KvRole::AwaitKv`], reserves its blocks).
+    pub fn add(&mut self, req: &GenerateRequest) -> Result<Admission, EngineError> {
         if self.by_id.contains_key(&req.id) {
             return Err(EngineError::BadRequest(format!(
                 "request id {} is already in use",
@@ -309,7 +377,8 @@ impl Engine {
             seed: s.seed,
         };
         params.validate().map_err(EngineError::BadRequest)?;
-        if req.stop.max_tokens == 0 {
+        let prefill_only = matches!(req.kv, KvRole::PrefillTo(_));
+        if req.stop.max_tokens == 0 && !prefill_only {
             return Err(EngineError::BadRequest("max_tokens must be at least 1".into()));
         }
         if !req.stop.stop.is_empty() && self.tokenizer.is_none() {
@@ -327,12 +396,32 @@ impl Engine {
             )));
         }
         let seed = seed_for(req.salt.as_deref(), None);
-        let sid = self.sched.add(req.id, &req.prompt, req.stop.max_tokens as usize, seed).map_err(
-            |e| match e {
-                AddError::QueueFull(_) => EngineError::Overloaded(e.to_string()),
-                _ => EngineError::BadRequest(e.to_string()),
+        let class = |e: AddError| match e {
+            AddError::QueueFull(_) => EngineError::Overloaded(e.to_string()),
+            _ => EngineError::BadRequest(e.to_string()),
+        };
+        let now = self.clock_ms();
+        self.sched.release_quarantine(now);
+        let max_tokens = req.stop.max_tokens as usize;
+        let (sid, admission) = match &req.kv {
+            KvRole::Local => {
+                (self.sched.add(req.id, &req.prompt, max_tokens, seed), Admission::Queued)
+            }
+            KvRole::PrefillTo(_) => {
+                (self.sched.add_prefill_only(req.id, &req.prompt, seed), Admission::Queued)
+            }
+            KvRole::AwaitKv => match self.sched.reserve(req.id, &req.prompt, max_tokens, seed) {
+                Ok(Some(sid)) => {
+                    let (first_block, blocks) = self.sched.reserved(sid).unwrap_or((0, &[]));
+                    (Ok(sid), Admission::Reserved { first_block, blocks: blocks.to_vec() })
+                }
+                Ok(None) => {
+                    (self.sched.add(req.id, &req.prompt, max_tokens, seed), Admission::NotReserved)
+                }
+                Err(e) => (Err(e), Admission::Queued),
             },
-        )?;
+        };
+        let sid = sid.map_err(class)?;
         self.seed_counter =
             self.seed_counter.wrapping_mul(6364136223846793005).wrapping_add(req.id.0 | 1);
         self.states[sid] = Some(SeqState {
@@ -345,14 +434,76 @@ impl Engine {
             counted_admission: false,
         });
         self.by_id.insert(req.id, sid);
-        Ok(())
+        Ok(admission)
+    }
+
+    /// The KV of a reserved request arrived: it runs from its last prompt token. False if it
+    /// was not awaiting KV.
+    pub fn kv_arrived(&mut self, id: RequestId) -> bool {
+        self.by_id.get(&id).is_some_and(|&sid| self.sched.kv_arrived(sid))
+    }
+
+    /// The KV of a reserved request will not come: its prompt is computed here. The blocks
+    /// it had lent stay out of use for the quarantine time. False if it was not awaiting KV.
+    pub fn kv_failed(&mut self, id: RequestId) -> bool {
+        let until = self.clock_ms() + self.kv_quarantine.as_millis() as u64;
+        self.by_id.get(&id).is_some_and(|&sid| self.sched.kv_failed(sid, until))
+    }
+
+    /// The block table of a request (a prefill-only request's KV, once prefilled).
+    pub fn blocks_of(&self, id: RequestId) -> Option<&[u32]> {
+        let sid = *self.by_id.get(&id)?;
+        self.sched.seq(sid).map(|s| s.blocks.as_slice())
+    }
+
+    /// Forgets a prefilled request and releases its blocks (they stay in the prefix cache).
+    /// False if it is not a prefilled request.
+    pub fn release(&mut self, id: RequestId) -> bool {
+        let Some(&sid) = self.by_id.get(&id) else { return false };
+        if self.sched.seq(sid).is_none_or(|s| s.status != SeqStatus::Prefilled) {
+            return false;
+        }
+        self.by_id.remove(&id);
+        self.sched.remove(sid);
+        self.states[sid] = None;
+        self.stats.finished += 1;
+        true
+    }
+
+    /// Reports the prefill-only sequences the scheduler parked.
+    fn report_prefilled(&mut self) {
+        while let Some(sid) = self.sched.pop_prefilled() {
+            let (Some(st), Some(seq)) = (self.states[sid].as_mut(), self.sched.seq(sid)) else {
+                continue;
+            };
+            if !st.counted_admission {
+                st.counted_admission = true;
+                self.stats.prompt_tokens += seq.prompt_len as u64;
+                self.stats.cached_tokens += seq.cached_prompt as u64;
+            }
+            self.out.events.push(SeqEvent {
+                id: st.id,
+                token: None,
+                logprob: 0.0,
+                top: 0..0,
+                text: 0..0,
+                finish: None,
+                usage: Usage {
+                    prompt_tokens: seq.prompt_len as u32,
+                    completion_tokens: 0,
+                    cached_tokens: seq.cached_prompt as u32,
+                },
+                prefilled: true,
+            });
+        }
     }
 
     /// Cancels a request: its blocks return to the pool now; the next step reports it
     /// finished with [`FinishReason::Cancelled`]. False if the request is unknown.
     pub fn cancel(&mut self, id: RequestId) -> bool {
         let Some(sid) = self.by_id.remove(&id) else { return false };
-        let seq = self.sched.remove(sid);
+        let until = self.clock_ms() + self.kv_quarantine.as_millis() as u64;
+        let seq = self.sched.cancel(sid, until);
         let st = self.states[sid].take();
         let usage = Usage {
             prompt_tokens: seq.as_ref().map_or(0, |s| s.prompt_len as u32),
@@ -376,12 +527,16 @@ impl Engine {
                 text: 0..0,
                 finish: Some(FinishReason::Cancelled),
                 usage,
+                prefilled: false,
             });
             self.stats.finished += 1;
         }
+        let now = self.clock_ms();
+        self.sched.release_quarantine(now);
         self.sched.schedule(&mut self.plan);
         self.stats.preemptions += self.plan.preempted.len() as u64;
         if self.plan.chunks.is_empty() {
+            self.report_prefilled();
             return Ok(&self.out);
         }
         self.stats.steps += 1;
@@ -416,6 +571,7 @@ impl Engine {
         self.chunk_buf = recycle(chunks);
         result?;
         self.sched.commit(&self.plan);
+        self.report_prefilled();
 
         // Sample every sequence that produced logits.
         let n_vocab = self.backend.n_vocab();
@@ -469,6 +625,7 @@ impl Engine {
                 text: text_start..self.out.text.len(),
                 finish,
                 usage,
+                prefilled: false,
             });
             if finish.is_some() {
                 self.by_id.remove(&id);

@@ -13,7 +13,9 @@ pub mod scheduler;
 use kvx_kernels::model::ModelError;
 use kvx_proto::ErrorClass;
 
-pub use engine::{Backend, Engine, EngineConfig, EngineStats, ModelBackend, SeqEvent, StepOutput};
+pub use engine::{
+    Admission, Backend, Engine, EngineConfig, EngineStats, ModelBackend, SeqEvent, StepOutput,
+};
 
 /// Errors of the engine, classified for the request path.
 #[derive(Debug, thiserror::Error)]

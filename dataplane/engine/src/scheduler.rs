@@ -11,6 +11,14 @@
 //! stay cached, so the recompute is mostly prefix hits) and it goes back to the front of the
 //! queue.
 //!
+//! Disaggregated serving adds two kinds of sequence that wait outside the queues (*parked*):
+//! on a decode engine, a sequence [`reserve`](Scheduler::reserve)d with blocks for its whole
+//! prompt that waits for a prefill engine to write their KV ([`kv_arrived`]
+//! (Scheduler::kv_arrived) then runs it from its last prompt token; [`kv_failed`]
+//! (Scheduler::kv_failed) computes it here instead); on a prefill engine, a
+//! [`SeqKind::PrefillOnly`] sequence whose prompt (but its last token) is computed, holding
+//! its blocks until the transfer is done and the engine removes it.
+//!
 //! The scheduler knows nothing about models, threads or sockets: the engine calls
 //! `schedule`, runs the forward pass, then `commit` and `append_token`. After construction it
 //! allocates only when a request arrives (its token and block vectors, sized for its whole
@@ -67,6 +75,19 @@ pub enum SeqStatus {
     Waiting,
     /// Admitted: holds blocks and is scheduled every step.
     Running,
+    /// Parked with blocks for its prompt, waiting for their KV from elsewhere.
+    AwaitingKv,
+    /// A prefill-only sequence whose prompt is computed: parked, holding its blocks.
+    Prefilled,
+}
+
+/// What a sequence is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqKind {
+    /// Compute the prompt, then generate.
+    Generate,
+    /// Compute the prompt but its last token, then stop (its KV goes to a decode engine).
+    PrefillOnly,
 }
 
 /// The scheduler's state of one request.
@@ -90,6 +111,8 @@ pub struct Sequence {
     pub preemptions: u32,
     /// Queue state.
     pub status: SeqStatus,
+    /// What it is for.
+    pub kind: SeqKind,
     hasher: BlockHasher,
     hashes: Vec<(LocalBlockHash, SequenceHash)>,
     registered: usize,
@@ -100,6 +123,15 @@ impl Sequence {
     /// Generated tokens so far.
     pub fn output(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// The tokens this sequence computes: all of them, or for a prefill-only sequence the
+    /// prompt but its last token (which the decode engine computes for its logits).
+    pub fn target(&self) -> usize {
+        match self.kind {
+            SeqKind::Generate => self.tokens.len(),
+            SeqKind::PrefillOnly => self.prompt_len - 1,
+        }
     }
 }
 
@@ -172,6 +204,12 @@ pub struct Scheduler {
     free_slots: Vec<SeqId>,
     waiting: VecDeque<SeqId>,
     running: Vec<SeqId>,
+    /// Sequences awaiting KV or holding a finished prefill.
+    parked: Vec<SeqId>,
+    /// Prefill-only sequences parked by the last commit (the engine reports them).
+    prefilled: Vec<SeqId>,
+    /// Blocks a transfer may still write, with the time they may be used again.
+    quarantine: Vec<(u64, Vec<BlockId>)>,
     new_waiting: usize,
     /// Sequence hashes of the prompt blocks this step completes (capacity reserved: a step
     /// completes at most `max_batched_tokens / block_size + max_num_seqs` blocks).
@@ -188,6 +226,9 @@ impl Scheduler {
             free_slots: (0..slots).rev().collect(),
             waiting: VecDeque::with_capacity(slots),
             running: Vec::with_capacity(cfg.max_num_seqs),
+            parked: Vec::with_capacity(slots),
+            prefilled: Vec::with_capacity(slots),
+            quarantine: Vec::new(),
             new_waiting: 0,
             in_flight: Vec::with_capacity(
                 cfg.max_batched_tokens / cfg.block_size.max(1) + cfg.max_num_seqs,
@@ -226,9 +267,14 @@ impl Scheduler {
         self.waiting.len()
     }
 
-    /// Whether anything is queued or running.
+    /// Whether anything is queued or running (parked sequences wait for others).
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Sequences parked: awaiting KV, or holding a finished prefill.
+    pub fn parked(&self) -> &[SeqId] {
+        &self.parked
     }
 
     /// Prompt tokens admitted or waiting that are not computed yet.
@@ -237,7 +283,7 @@ impl Scheduler {
             .iter()
             .chain(&self.running)
             .filter_map(|&s| self.seq(s))
-            .map(|s| s.tokens.len().saturating_sub(s.computed + 1))
+            .map(|s| s.target().saturating_sub(s.computed + 1))
             .sum()
     }
 
@@ -248,6 +294,159 @@ impl Scheduler {
         prompt: &[u32],
         max_tokens: usize,
         seed: u64,
+    ) -> Result<SeqId, AddError> {
+        let sid = self.new_sequence(id, prompt, max_tokens, seed, SeqKind::Generate)?;
+        self.waiting.push_back(sid);
+        self.new_waiting += 1;
+        Ok(sid)
+    }
+
+    /// Queues a prefill-only request: its prompt but the last token is computed, then it is
+    /// parked with its blocks ([`Scheduler::take_prefilled`] names it) until removed.
+    pub fn add_prefill_only(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        seed: u64,
+    ) -> Result<SeqId, AddError> {
+        let sid = self.new_sequence(id, prompt, 0, seed, SeqKind::PrefillOnly)?;
+        self.waiting.push_back(sid);
+        self.new_waiting += 1;
+        Ok(sid)
+    }
+
+    /// Reserves blocks for the whole prompt of a request at once, reusing cached ones, and
+    /// parks it until its KV arrives. `Ok(None)`: no room now (too many sequences, or not
+    /// enough free blocks) — nothing is kept, and the caller may [`add`](Self::add) it.
+    pub fn reserve(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        max_tokens: usize,
+        seed: u64,
+    ) -> Result<Option<SeqId>, AddError> {
+        let awaiting =
+            self.parked.iter().filter(|&&s| self.status(s) == Some(SeqStatus::AwaitingKv)).count();
+        if self.running.len() + awaiting >= self.cfg.max_num_seqs {
+            return Ok(None);
+        }
+        let sid = self.new_sequence(id, prompt, max_tokens, seed, SeqKind::Generate)?;
+        self.match_prefix(sid);
+        if !self.grow_blocks(sid, prompt.len()) {
+            self.unmatch(sid);
+            self.seqs[sid] = None;
+            self.free_slots.push(sid);
+            return Ok(None);
+        }
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            seq.status = SeqStatus::AwaitingKv;
+            seq.admitted_once = true;
+            seq.cached_prompt = seq.computed.min(seq.prompt_len);
+        }
+        self.parked.push(sid);
+        Ok(Some(sid))
+    }
+
+    /// The blocks of a reserved sequence that its KV goes into: the index of the first one
+    /// in its block table (those before are cached here) and the blocks from there that
+    /// hold the prompt but its last token (empty when the cache had all of them).
+    pub fn reserved(&self, sid: SeqId) -> Option<(usize, &[BlockId])> {
+        let seq = self.seq(sid).filter(|s| s.status == SeqStatus::AwaitingKv)?;
+        let bs = self.cfg.block_size;
+        let first = seq.computed / bs;
+        let end = (seq.prompt_len - 1).div_ceil(bs).max(first);
+        Some((first, &seq.blocks[first..end]))
+    }
+
+    /// The KV of a reserved sequence's prompt (all but its last token) is in its blocks: it
+    /// runs from its last prompt token on. False if it was not awaiting KV.
+    pub fn kv_arrived(&mut self, sid: SeqId) -> bool {
+        if self.status(sid) != Some(SeqStatus::AwaitingKv) {
+            return false;
+        }
+        self.parked.retain(|&s| s != sid);
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            seq.computed = seq.computed.max(seq.prompt_len - 1);
+            seq.status = SeqStatus::Running;
+        }
+        self.running.push(sid);
+        self.register_full(sid);
+        true
+    }
+
+    /// The KV of a reserved sequence will not come: it is computed here instead, from the
+    /// front of the queue. Its blocks past the cached prefix, which a late transfer could
+    /// still write, stay out of use until [`release_quarantine`](Self::release_quarantine)
+    /// is called with a time at or after `until` (the caller's clock: the scheduler has
+    /// none). False if it was not awaiting KV.
+    pub fn kv_failed(&mut self, sid: SeqId, until: u64) -> bool {
+        if !self.quarantine_lent(sid, until) {
+            return false;
+        }
+        self.parked.retain(|&s| s != sid);
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            seq.status = SeqStatus::Waiting;
+        }
+        self.unmatch(sid);
+        self.waiting.push_front(sid);
+        true
+    }
+
+    /// Removes a sequence as [`remove`](Self::remove) does, keeping the blocks of a reserved
+    /// one that a transfer could still write out of use until `until`.
+    pub fn cancel(&mut self, sid: SeqId, until: u64) -> Option<Sequence> {
+        self.quarantine_lent(sid, until);
+        self.remove(sid)
+    }
+
+    /// Moves the not-yet-arrived blocks of an awaiting sequence to the quarantine.
+    fn quarantine_lent(&mut self, sid: SeqId, until: u64) -> bool {
+        let Some(first) = self.reserved(sid).map(|(f, _)| f) else { return false };
+        let Some(seq) = self.seqs[sid].as_mut() else { return false };
+        let lent = seq.blocks.split_off(first);
+        if !lent.is_empty() {
+            self.quarantine.push((until, lent));
+        }
+        true
+    }
+
+    /// Frees quarantined blocks whose time has come (`now` on the caller's clock).
+    pub fn release_quarantine(&mut self, now: u64) {
+        let mut i = 0;
+        while i < self.quarantine.len() {
+            if self.quarantine[i].0 <= now {
+                let (_, blocks) = self.quarantine.swap_remove(i);
+                for &b in blocks.iter().rev() {
+                    self.pool.release(b);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Blocks kept out of use after a failed or cancelled transfer.
+    pub fn quarantined_blocks(&self) -> usize {
+        self.quarantine.iter().map(|(_, b)| b.len()).sum()
+    }
+
+    /// A prefill-only sequence that the last schedule or commit parked, computed.
+    pub fn pop_prefilled(&mut self) -> Option<SeqId> {
+        self.prefilled.pop()
+    }
+
+    fn status(&self, sid: SeqId) -> Option<SeqStatus> {
+        self.seq(sid).map(|s| s.status)
+    }
+
+    /// A new sequence in a free slot (in no queue yet).
+    fn new_sequence(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        max_tokens: usize,
+        seed: u64,
+        kind: SeqKind,
     ) -> Result<SeqId, AddError> {
         if prompt.is_empty() {
             return Err(AddError::Empty);
@@ -266,6 +465,10 @@ impl Scheduler {
         let Some(slot) = self.free_slots.pop() else {
             return Err(AddError::QueueFull(self.cfg.max_waiting));
         };
+        if kind == SeqKind::PrefillOnly && prompt.len() < 2 {
+            self.free_slots.push(slot);
+            return Err(AddError::Empty);
+        }
         let max_len = prompt.len() + max_tokens;
         let bs = self.cfg.block_size;
         let mut tokens = Vec::with_capacity(max_len);
@@ -283,13 +486,12 @@ impl Scheduler {
             cached_prompt: 0,
             preemptions: 0,
             status: SeqStatus::Waiting,
+            kind,
             hasher,
             hashes,
             registered: 0,
             admitted_once: false,
         });
-        self.waiting.push_back(slot);
-        self.new_waiting += 1;
         Ok(slot)
     }
 
@@ -308,7 +510,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             };
-            let remaining = seq.tokens.len() - seq.computed;
+            let remaining = seq.target() - seq.computed;
             if remaining == 0 || budget == 0 {
                 i += 1;
                 continue;
@@ -361,7 +563,14 @@ impl Scheduler {
                 at += 1;
                 continue;
             }
-            let remaining = seq.tokens.len() - seq.computed;
+            let remaining = seq.target() - seq.computed;
+            if remaining == 0 {
+                // A prefill-only prompt the cache holds whole: done at once.
+                self.waiting.remove(at);
+                self.admit(sid);
+                self.park_prefilled(sid);
+                continue;
+            }
             let n = if self.cfg.chunked_prefill { remaining.min(budget) } else { remaining };
             if n > budget {
                 break;
@@ -372,19 +581,34 @@ impl Scheduler {
                 break;
             }
             self.waiting.remove(at);
-            if let Some(seq) = self.seqs[sid].as_mut() {
-                seq.status = SeqStatus::Running;
-                if !seq.admitted_once {
-                    seq.admitted_once = true;
-                    seq.cached_prompt = seq.computed.min(seq.prompt_len);
-                    self.new_waiting -= 1;
-                }
-            }
+            self.admit(sid);
             self.running.push(sid);
             self.emit_chunks(sid, end, out);
             self.note_in_flight(sid, end);
             budget -= n;
         }
+    }
+
+    /// Marks a sequence leaving the queue as admitted.
+    fn admit(&mut self, sid: SeqId) {
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            seq.status = SeqStatus::Running;
+            if !seq.admitted_once {
+                seq.admitted_once = true;
+                seq.cached_prompt = seq.computed.min(seq.prompt_len);
+                self.new_waiting -= 1;
+            }
+        }
+    }
+
+    /// Parks a prefill-only sequence whose prompt is computed.
+    fn park_prefilled(&mut self, sid: SeqId) {
+        self.running.retain(|&s| s != sid);
+        if let Some(seq) = self.seqs[sid].as_mut() {
+            seq.status = SeqStatus::Prefilled;
+        }
+        self.parked.push(sid);
+        self.prefilled.push(sid);
     }
 
     /// Records the prompt blocks of `sid` that its chunk up to `end` completes.
@@ -409,6 +633,7 @@ impl Scheduler {
         let k = seq.computed / bs;
         // The last prompt token is always computed (for its logits): only blocks before it.
         k < (seq.tokens.len() - 1) / bs
+            && seq.kind == SeqKind::Generate
             && seq.hashes.get(k).is_some_and(|&(_, h)| self.in_flight.contains(&h))
     }
 
@@ -505,6 +730,13 @@ impl Scheduler {
         }
         for c in &out.chunks {
             self.register_full(c.seq);
+            if self.seq(c.seq).is_some_and(|s| {
+                s.kind == SeqKind::PrefillOnly
+                    && s.status == SeqStatus::Running
+                    && s.computed >= s.target()
+            }) {
+                self.park_prefilled(c.seq);
+            }
         }
     }
 
@@ -541,6 +773,10 @@ impl Scheduler {
         if let Some(p) = self.running.iter().position(|&s| s == sid) {
             self.running.remove(p);
         }
+        if let Some(p) = self.parked.iter().position(|&s| s == sid) {
+            self.parked.remove(p);
+        }
+        self.prefilled.retain(|&s| s != sid);
         if let Some(p) = self.waiting.iter().position(|&s| s == sid) {
             self.waiting.remove(p);
             if !seq.admitted_once {
@@ -559,6 +795,11 @@ impl Scheduler {
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_invariants()?;
         let mut refs = vec![0u32; self.pool.capacity()];
+        for (_, blocks) in &self.quarantine {
+            for &b in blocks {
+                refs[b as usize] += 1;
+            }
+        }
         for seq in self.seqs.iter().flatten() {
             for &b in &seq.blocks {
                 refs[b as usize] += 1;
@@ -584,11 +825,12 @@ impl Scheduler {
             }
         }
         let live = self.seqs.iter().filter(|s| s.is_some()).count();
-        if live != self.running.len() + self.waiting.len() {
+        if live != self.running.len() + self.waiting.len() + self.parked.len() {
             return Err(format!(
-                "{live} sequences but {} running + {} waiting",
+                "{live} sequences but {} running + {} waiting + {} parked",
                 self.running.len(),
-                self.waiting.len()
+                self.waiting.len(),
+                self.parked.len()
             ));
         }
         if live + self.free_slots.len() != self.seqs.len() {
@@ -649,6 +891,102 @@ mod tests {
         assert_eq!(prompt_mode(513, 512), AttnMode::Decode);
         assert_eq!(prompt_mode(514, 513), AttnMode::Prefill);
         assert_eq!(token_mode(3, 3), AttnMode::Decode);
+    }
+
+    #[test]
+    fn a_prefill_only_sequence_computes_all_but_the_last_prompt_token_then_parks() {
+        let mut s = Scheduler::new(cfg(8, 4), 16);
+        let a = s.add_prefill_only(RequestId(1), &[3; 18], 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        let mut computed = 0;
+        for _ in 0..4 {
+            step(&mut s, &mut out);
+            assert!(out.chunks.iter().all(|c| !c.logits), "a prefill-only step samples nothing");
+            computed += out.num_tokens;
+        }
+        assert_eq!(computed, 17);
+        assert_eq!((s.pop_prefilled(), s.pop_prefilled()), (Some(a), None));
+        let seq = s.seq(a).unwrap();
+        assert_eq!((seq.status, seq.computed, seq.blocks.len()), (SeqStatus::Prefilled, 17, 5));
+        assert!(!s.has_work());
+        s.check_invariants().unwrap();
+        s.remove(a);
+        assert_eq!(s.pool().active(), 0);
+        s.check_invariants().unwrap();
+        // One more with the same prompt is a prefix hit, parked without computing anything
+        // but its last partial block.
+        let b = s.add_prefill_only(RequestId(2), &[3; 18], 0).unwrap();
+        step(&mut s, &mut out);
+        assert_eq!((out.num_tokens, s.seq(b).unwrap().cached_prompt), (1, 16));
+        assert!(s.add_prefill_only(RequestId(3), &[3], 0).is_err(), "one token: nothing to send");
+    }
+
+    #[test]
+    fn a_reserved_sequence_waits_for_its_kv_then_runs_from_its_last_prompt_token() {
+        let mut s = Scheduler::new(cfg(64, 4), 16);
+        // Cache the first two blocks.
+        let p: Vec<u32> = (0..14).collect();
+        let warm = s.add(RequestId(1), &p[..9], 1, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        step(&mut s, &mut out);
+        s.remove(warm);
+        let r = s.reserve(RequestId(2), &p, 3, 0).unwrap().unwrap();
+        let (first, dest) = s.reserved(r).unwrap();
+        // Blocks 0 and 1 are cached; the prompt but its last token (13 tokens) ends in block 3.
+        assert_eq!((first, dest.len()), (2, 2));
+        assert_eq!(s.seq(r).unwrap().blocks.len(), 4);
+        step(&mut s, &mut out);
+        assert!(out.chunks.is_empty(), "an awaiting sequence is not scheduled");
+        s.check_invariants().unwrap();
+        assert!(s.kv_arrived(r));
+        step(&mut s, &mut out);
+        assert_eq!(
+            out.chunks,
+            vec![Chunk { seq: r, start: 13, len: 1, mode: AttnMode::Prefill, logits: true }]
+        );
+        assert!(s.pool().contains(s.seq(r).unwrap().hashes[2].1), "arrived blocks are cached");
+        step(&mut s, &mut out);
+        step(&mut s, &mut out);
+        assert_eq!(s.seq(r).unwrap().output().len(), 3);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_failed_transfer_computes_here_and_quarantines_the_lent_blocks() {
+        let mut s = Scheduler::new(cfg(64, 4), 8);
+        let r = s.reserve(RequestId(1), &[5; 20], 2, 0).unwrap().unwrap();
+        assert_eq!(s.reserved(r).unwrap().1.len(), 5);
+        assert!(s.kv_failed(r, 100));
+        assert_eq!(s.quarantined_blocks(), 5);
+        s.check_invariants().unwrap();
+        // Three blocks are left: the 20-token prompt needs five, so it waits for them.
+        let mut out = SchedulerOutput::default();
+        step(&mut s, &mut out);
+        assert!(out.chunks.is_empty());
+        s.release_quarantine(99);
+        assert_eq!(s.quarantined_blocks(), 5, "not before its time");
+        s.release_quarantine(100);
+        assert_eq!(s.quarantined_blocks(), 0);
+        step(&mut s, &mut out);
+        assert_eq!(out.num_tokens, 20, "computed here, whole");
+        s.check_invariants().unwrap();
+        // Cancelling an awaiting sequence quarantines its lent blocks too.
+        let q = s.reserve(RequestId(2), &[6; 9], 2, 0).unwrap().unwrap();
+        assert_eq!(s.reserved(q).unwrap().1.len(), 2);
+        assert!(s.cancel(q, 5).is_some());
+        assert_eq!(s.quarantined_blocks(), 3, "every block past the cached prefix");
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_reservation_without_room_keeps_nothing() {
+        let mut s = Scheduler::new(cfg(64, 2), 8);
+        assert!(s.reserve(RequestId(1), &[1; 12], 2, 0).unwrap().is_some());
+        assert!(s.reserve(RequestId(2), &[2; 30], 2, 0).unwrap().is_none(), "8 blocks needed");
+        assert_eq!(s.pool().active(), 3);
+        assert!(s.reserve(RequestId(3), &[3; 4], 2, 0).unwrap().is_some());
+        assert!(s.reserve(RequestId(4), &[4; 4], 2, 0).unwrap().is_none(), "max_num_seqs");
+        s.check_invariants().unwrap();
     }
 
     #[test]

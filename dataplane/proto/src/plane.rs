@@ -9,7 +9,11 @@
 //! * event plane: [`KvEvents`], [`Note`] (first token, finished), [`Snapshot`] (answering
 //!   [`SnapshotRequest`] after lost events) and [`Load`] up;
 //! * liveness: [`Heartbeat`] both ways at a fixed interval; a peer silent for longer than
-//!   the timeout, or a closed connection, is dead.
+//!   the timeout, or a closed connection, is dead;
+//! * disaggregated serving: a worker registers its [`WorkerRole`] and, where it moves KV,
+//!   its [`KvPeer`] (transfer agent metadata and KV layout, sent once); the frontend sends
+//!   each prefill worker the decode workers' peers ([`Peers`], once per peer) and tells a
+//!   decode worker whether a request's KV arrived ([`KvReady`]).
 //!
 //! Readers skip frames of kinds they do not know, so new kinds can be added without a
 //! version bump; a changed payload of an existing kind needs a new [`crate::wire::VERSION`].
@@ -46,6 +50,67 @@ pub mod kind {
     pub const LOAD: u8 = 10;
     /// Both ways: [`super::Heartbeat`].
     pub const HEARTBEAT: u8 = 11;
+    /// Frontend → worker: [`super::Peers`].
+    pub const PEERS: u8 = 12;
+    /// Frontend → worker: [`super::KvReady`].
+    pub const KV_READY: u8 = 13;
+}
+
+/// What a worker does in disaggregated serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum WorkerRole {
+    /// Prefill and decode (aggregated).
+    #[default]
+    Agg,
+    /// Prompts only: their KV goes to decode workers.
+    Prefill,
+    /// Decode, with prompts' KV from prefill workers (or computed here when it is cheaper).
+    Decode,
+}
+
+impl WorkerRole {
+    /// The lower-case name (flags, metrics).
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerRole::Agg => "agg",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+/// Where a worker's KV blocks can be written by a peer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvPeer {
+    /// The transfer agent's metadata (kvx-xfer `AgentMetadata`, encoded; empty for mock
+    /// engines, whose transfers are modelled).
+    pub agent: Vec<u8>,
+    /// The agent's region holding this worker's KV cache.
+    pub region: u32,
+    /// Where the keys start in the region.
+    pub k_offset: u64,
+    /// Where the values start.
+    pub v_offset: u64,
+    /// Bytes of one block's keys (and of its values).
+    pub block_bytes: u64,
+}
+
+/// The KV peers of decode workers, for a prefill worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peers {
+    /// `(decode worker, its peer)`.
+    pub peers: Vec<(WorkerId, KvPeer)>,
+}
+
+/// Whether a reserved request's KV arrived at its decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvReady {
+    /// The decode worker.
+    pub worker_id: WorkerId,
+    /// The request.
+    pub id: RequestId,
+    /// True: the KV is in its blocks; false: it will not come (compute the prompt here).
+    pub arrived: bool,
 }
 
 /// A worker (one engine) joins: the first frames of a connection.
@@ -61,6 +126,12 @@ pub struct Register {
     pub kv_blocks: usize,
     /// Requests it runs at once at most.
     pub max_num_seqs: usize,
+    /// Its part in disaggregated serving.
+    #[serde(default)]
+    pub role: WorkerRole,
+    /// Where peers write its KV (decode workers), or how it writes others' (prefill).
+    #[serde(default)]
+    pub kv_peer: Option<KvPeer>,
 }
 
 /// The frontend's answer to a [`Register`].
@@ -165,7 +236,7 @@ mod tests {
     use super::*;
     use crate::events::{KvEventData, StorageTier};
     use crate::hashing::LocalBlockHash;
-    use crate::request::{ErrorClass, SamplingOptions, StopConditions};
+    use crate::request::{ErrorClass, KvDest, KvRole, SamplingOptions, StopConditions};
     use crate::wire::{MAX_FRAME, decode, encode, split};
 
     fn round_trip<T>(kind: u8, msg: &T) -> T
@@ -187,8 +258,20 @@ mod tests {
             block_size: 16,
             kv_blocks: 256,
             max_num_seqs: 64,
+            role: WorkerRole::Decode,
+            kv_peer: Some(KvPeer {
+                agent: vec![1, 2, 3],
+                region: 2,
+                k_offset: 0,
+                v_offset: 4096,
+                block_bytes: 512,
+            }),
         };
         assert_eq!(round_trip(kind::REGISTER, &reg), reg);
+        let ready = KvReady { worker_id: 7, id: RequestId(9), arrived: false };
+        assert_eq!(round_trip(kind::KV_READY, &ready), ready);
+        let peers = Peers { peers: vec![(7, reg.kv_peer.clone().expect("peer"))] };
+        assert_eq!(round_trip(kind::PEERS, &peers), peers);
         let ack = Registered { worker_id: 7, accepted: false, reason: "model".into() };
         assert_eq!(round_trip(kind::REGISTERED, &ack), ack);
         let sub = Submit {
@@ -200,6 +283,7 @@ mod tests {
                 stop: StopConditions::default(),
                 logprobs: None,
                 salt: Some("t".into()),
+                kv: KvRole::PrefillTo(KvDest { worker: 3, first_block: 2, blocks: vec![9, 4] }),
             },
         };
         assert_eq!(round_trip(kind::SUBMIT, &sub), sub);

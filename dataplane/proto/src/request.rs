@@ -96,6 +96,66 @@ pub struct GenerateRequest {
     pub logprobs: Option<u32>,
     /// Cache isolation salt (tenant); requests with different salts share no KV blocks.
     pub salt: Option<String>,
+    /// Its part in disaggregated serving (local by default).
+    #[serde(default)]
+    pub kv: KvRole,
+}
+
+/// A request's part in disaggregated serving.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum KvRole {
+    /// Compute the prompt here, then generate.
+    #[default]
+    Local,
+    /// Decode side: reserve blocks for the whole prompt now (the stream's first message is
+    /// [`KvNote::Reserved`]) and wait for the KV of the prompt but its last token, written
+    /// by a prefill worker; the plane then says it arrived (or that it will not, and the
+    /// prompt is computed here). Generation then starts from the last prompt token.
+    AwaitKv,
+    /// Prefill side: compute the prompt but its last token, write its KV into the decode
+    /// worker's blocks, generate nothing; the stream ends with [`KvNote::Sent`].
+    PrefillTo(KvDest),
+}
+
+/// Where a prefill worker writes a prompt's KV.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvDest {
+    /// The decode worker.
+    pub worker: crate::WorkerId,
+    /// Index, in the prompt's block sequence, of the first block to send (the decode worker
+    /// has the ones before it cached).
+    pub first_block: usize,
+    /// The decode worker's blocks for block `first_block` on, in order.
+    pub blocks: Vec<u32>,
+}
+
+/// The part of a request's stream that concerns its KV in disaggregated serving (the plane
+/// consumes these; clients never see them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum KvNote {
+    /// Decode side: the prompt's KV goes into these blocks ([`KvDest`]'s fields); empty
+    /// when the engine had no room to reserve them and computes the prompt itself.
+    Reserved {
+        /// Index of the first block to receive.
+        first_block: usize,
+        /// The blocks.
+        blocks: Vec<u32>,
+    },
+    /// Prefill side: the KV is in the decode worker's blocks. Nothing follows.
+    Sent(KvTransfer),
+}
+
+/// What moving one request's KV took.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct KvTransfer {
+    /// Blocks written.
+    pub blocks: u32,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Milliseconds from arrival to the prompt's KV being computed.
+    pub prefill_ms: f32,
+    /// Milliseconds the write took.
+    pub transfer_ms: f32,
 }
 
 /// A token's log-probability.
@@ -196,4 +256,6 @@ pub enum Output {
         /// Client-safe message.
         message: String,
     },
+    /// Disaggregated serving's news of the request's KV (for the plane, not the client).
+    Kv(KvNote),
 }

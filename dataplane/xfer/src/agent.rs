@@ -344,6 +344,39 @@ impl Drop for XferHandle {
     }
 }
 
+/// A memory region lent to a KV cache (kvx-kernels' `KvMemory`), so that peers write KV
+/// blocks straight into the memory the engine attends over. It keeps the agent's shared
+/// state, and with it the mapping, alive.
+#[derive(Debug)]
+pub struct RegionMemory {
+    _shared: Arc<Shared>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is into a mapping owned by `Shared`, which this value keeps alive and
+// which is never unmapped while it lives (rule 1 of the crate docs); moving or sharing the
+// handle between threads moves no bytes.
+unsafe impl Send for RegionMemory {}
+// SAFETY: as for `Send`: the handle only hands out the pointer.
+unsafe impl Sync for RegionMemory {}
+
+// SAFETY: `ptr` is the start of an mmap'ed region of `len` bytes (page-aligned, so 64-byte
+// aligned), readable and writable, mapped until `Shared` drops, which `_shared` prevents
+// while the cache holds this value. Peers can write any byte of a registered region; lending
+// it to a cache is the promise that they write only the blocks the cache's scheduler lent
+// them, and that the cache reads those only after the transfer's completion was announced —
+// the contract of kvx's disaggregated serving (a prefill worker writes exactly the blocks a
+// decode worker reserved and sent it, then says so through the plane).
+unsafe impl kvx_kernels::model::KvMemory for RegionMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 /// A transfer agent. See the crate docs for the model.
 #[derive(Debug)]
 pub struct Agent {
@@ -454,6 +487,13 @@ impl Agent {
         let r = self.shared.region(id)?;
         let p = r.mem_ptr().ok_or(XferError::Unsupported("not a memory region"))?;
         Ok((p, r.len))
+    }
+
+    /// A local memory region, lent to a KV cache (see [`RegionMemory`]).
+    pub fn region_memory(&self, id: RegionId) -> Result<RegionMemory> {
+        let (ptr, len) = self.mem_ptr(id)?;
+        let len = usize::try_from(len).map_err(|_| XferError::Unsupported("region too large"))?;
+        Ok(RegionMemory { _shared: self.shared.clone(), ptr, len })
     }
 
     /// Copy `src` into local memory at `d` (bounds-checked).

@@ -88,8 +88,8 @@ mod uring;
 pub mod wire;
 
 pub use agent::{
-    Agent, AgentConfig, Backend, MAX_REGIONS, MAX_REMOTES, Prepped, RemoteId, XferHandle,
-    XferStats, ZeroCopy,
+    Agent, AgentConfig, Backend, MAX_REGIONS, MAX_REMOTES, Prepped, RegionMemory, RemoteId,
+    XferHandle, XferStats, ZeroCopy,
 };
 pub use desc::{Desc, MAX_DESCS, MAX_XFER_BYTES, Op, pair_lengths};
 pub use error::{Result, XferError};

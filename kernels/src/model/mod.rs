@@ -8,7 +8,7 @@ mod weights;
 
 pub use config::{LlamaConfig, RopeKind};
 pub use forward::{Logits, Scratch, SeqChunk};
-pub use kv::KvCache;
+pub use kv::{KvCache, KvLayout, KvMemory};
 pub use weights::{LayerWeights, LlamaModel, MatRef};
 
 pub use crate::ops::AttnMode;

@@ -7,7 +7,8 @@
 use std::time::{Duration, Instant};
 
 use kvx_proto::{
-    ErrorClass, FinishReason, GenerateRequest, Output, RequestId, SamplingOptions, StopConditions,
+    ErrorClass, FinishReason, GenerateRequest, KvNote, Output, RequestId, SamplingOptions,
+    StopConditions,
 };
 use kvx_worker::{EngineSetup, Started};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -24,6 +25,7 @@ pub fn request(id: u64, seed: u32, len: u32, max_tokens: u32) -> GenerateRequest
         stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
         logprobs: None,
         salt: None,
+        kv: Default::default(),
     }
 }
 
@@ -45,6 +47,8 @@ pub enum End {
     Error(ErrorClass, String),
     /// The channel closed with no final output.
     Closed,
+    /// A prefill-only request's KV was sent.
+    KvSent,
 }
 
 /// Reads a request's outputs to the end (at most `limit`): the tokens and how it ended.
@@ -60,6 +64,8 @@ pub async fn collect(rx: &mut UnboundedReceiver<Output>, limit: Duration) -> (Ve
             Ok(Some(Output::Error { class, message })) => {
                 return (tokens, End::Error(class, message));
             }
+            Ok(Some(Output::Kv(KvNote::Sent(_)))) => return (tokens, End::KvSent),
+            Ok(Some(Output::Kv(KvNote::Reserved { .. }))) => {}
         }
     }
 }
@@ -74,6 +80,8 @@ pub fn collect_blocking(rx: &mut UnboundedReceiver<Output>, limit: Duration) -> 
             Ok(Output::Delta(d)) => tokens.extend(d.tokens),
             Ok(Output::Finished { reason, .. }) => return (tokens, End::Finished(reason)),
             Ok(Output::Error { class, message }) => return (tokens, End::Error(class, message)),
+            Ok(Output::Kv(KvNote::Sent(_))) => return (tokens, End::KvSent),
+            Ok(Output::Kv(KvNote::Reserved { .. })) => {}
             Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
                 return (tokens, End::Closed);
             }

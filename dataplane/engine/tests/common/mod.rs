@@ -58,6 +58,7 @@ pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         stop: StopConditions { max_tokens, ..Default::default() },
         logprobs: None,
         salt: None,
+        kv: Default::default(),
     }
 }
 

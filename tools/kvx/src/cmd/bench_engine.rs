@@ -54,6 +54,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
             stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
             logprobs: None,
             salt: None,
+            kv: Default::default(),
         };
         engine.add(&req)?;
         let start = Instant::now();
