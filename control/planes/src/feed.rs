@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use kvx_proto::{KvEvent, SequenceHash, StorageTier, StoredBlock, WorkerId};
-use kvx_router::{ApplyResult, Router, SnapshotBlock};
+use kvx_proto::{KvEvent, RequestId, SequenceHash, StorageTier, StoredBlock, WorkerId};
+use kvx_router::{ApplyResult, RequestBlocks, Router, SnapshotBlock};
 
 /// How often the planes expire requests and ask for snapshots.
 pub const MAINTENANCE_PERIOD: Duration = Duration::from_secs(1);
@@ -47,6 +47,24 @@ pub fn maintain(r: &mut Router, now: Duration) -> Vec<WorkerId> {
     w.sort_unstable();
     w.dedup();
     w
+}
+
+/// Picks the lowest-cost worker for `req` that is not in `exclude` and is `alive`, and
+/// tracks request `id` on it.
+pub fn pick(
+    r: &mut Router,
+    id: RequestId,
+    req: &RequestBlocks,
+    exclude: &[WorkerId],
+    alive: impl Fn(WorkerId) -> bool,
+    now: Duration,
+) -> Option<WorkerId> {
+    let mut loads = r.potential_loads(req);
+    loads.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+    let p = loads.into_iter().find(|p| !exclude.contains(&p.worker) && alive(p.worker))?;
+    r.free(id);
+    let _ = r.add_request(id, p.worker, req, p.overlap_blocks, now);
+    Some(p.worker)
 }
 
 /// The router's counters as `/metrics` shows them.

@@ -8,16 +8,20 @@
 //!   is [`kvx_worker::remote`]).
 //! * [`feed`]: what both do with what workers report — KV events (a gap asks for a
 //!   snapshot), snapshots, loads, expiry — and the router's counters for `/metrics`.
+//! * [`disagg`]: disaggregated prefill and decode — the decision per request, and the relay
+//!   that runs a request's prefill leg and decode leg.
 //!
 //! A request that has not produced a token moves when its worker refuses it or disappears;
 //! one that has ends with a clear `Unavailable` error.
 
 #![forbid(unsafe_code)]
 
+pub mod disagg;
 pub mod feed;
 pub mod local;
 pub mod remote;
 
+pub use disagg::{DisaggConfig, DisaggCounters};
 pub use local::LocalPlane;
 pub use remote::{RemotePlane, RemotePlaneConfig};
 
@@ -27,6 +31,9 @@ pub enum PlaneError {
     /// The router refused its configuration.
     #[error("router configuration: {0}")]
     Router(#[from] kvx_router::ConfigError),
+    /// The KV transfer link refused the plane's peers.
+    #[error("KV transfer link: {0}")]
+    Kv(String),
     /// A plane thread could not start.
     #[error("starting the {what} thread: {source}")]
     Thread {

@@ -59,13 +59,8 @@ impl RealWorker {
     fn start(link: Link, n: usize, first: WorkerId, block_size: usize) -> RealWorker {
         let started = mock_shards(n, first, 100.0);
         let (stop, rx) = watch::channel(false);
-        let task = tokio::spawn(kvx_worker::remote::serve(
-            worker_cfg(block_size),
-            started.shards,
-            started.events,
-            link,
-            rx,
-        ));
+        let task =
+            tokio::spawn(kvx_worker::remote::serve(worker_cfg(block_size), started, link, rx));
         RealWorker { stop, task }
     }
 
@@ -100,6 +95,8 @@ impl Scripted {
             block_size: BS,
             kv_blocks: 1024,
             max_num_seqs: 64,
+            role: Default::default(),
+            kv_peer: None,
         };
         s.send(kind::REGISTER, &reg).await;
         let r: Registered = s.expect(kind::REGISTERED).await;
@@ -190,6 +187,8 @@ async fn a_worker_of_another_block_size_or_model_is_refused() {
         block_size: BS,
         kv_blocks: 1,
         max_num_seqs: 1,
+        role: Default::default(),
+        kv_peer: None,
     };
     s.send(kind::REGISTER, &reg).await;
     let r: Registered = s.expect(kind::REGISTERED).await;

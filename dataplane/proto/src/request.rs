@@ -12,6 +12,14 @@ use crate::TokenId;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
+impl RequestId {
+    /// The id of the prefill leg of a disaggregated request (the top bit set: ingress hands
+    /// out ids below 2^63).
+    pub fn prefill_leg(self) -> RequestId {
+        RequestId(self.0 | 1 << 63)
+    }
+}
+
 impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:016x}", self.0)
@@ -133,14 +141,18 @@ pub struct KvDest {
 /// consumes these; clients never see them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum KvNote {
-    /// Decode side: the prompt's KV goes into these blocks ([`KvDest`]'s fields); empty
-    /// when the engine had no room to reserve them and computes the prompt itself.
+    /// Decode side: the prompt's KV goes into these blocks ([`KvDest`]'s fields; none when
+    /// every block is cached here already — the request still waits to be told).
     Reserved {
         /// Index of the first block to receive.
         first_block: usize,
         /// The blocks.
         blocks: Vec<u32>,
     },
+    /// Decode side: no room to reserve blocks now; the prompt is computed here.
+    Local,
+    /// Prefill side: the prompt is computed; its KV is being written.
+    Sending,
     /// Prefill side: the KV is in the decode worker's blocks. Nothing follows.
     Sent(KvTransfer),
 }

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod kvlink;
 pub mod remote;
 pub mod setup;
 pub mod shard;

@@ -24,16 +24,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvx_proto::plane::{
-    Cancel, Heartbeat, KvEvents, Load, Note, NoteKind, OutputMsg, Register, Registered, Snapshot,
-    SnapshotRequest, Submit, kind,
+    Cancel, Heartbeat, KvEvents, KvPeer, KvReady, Load, Note, NoteKind, OutputMsg, Peers, Register,
+    Registered, Snapshot, SnapshotRequest, Submit, WorkerRole, kind,
 };
 use kvx_proto::wire::{self, WireError};
-use kvx_proto::{ErrorClass, KvEvent, Output, RequestId, WorkerId, WorkerMetrics};
+use kvx_proto::{ErrorClass, KvEvent, KvNote, Output, RequestId, WorkerId, WorkerMetrics};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::{mpsc, watch};
 
+use crate::kvlink::KvLink;
+use crate::setup::Started;
 use crate::shard::{Command, ShardEvent, ShardHandle, SubmitError};
 
 /// How the worker meets its frontend.
@@ -119,6 +121,10 @@ pub struct Hosted {
     pub kv_blocks: usize,
     /// Requests it runs at once at most.
     pub max_num_seqs: usize,
+    /// Its part in disaggregated serving.
+    pub role: WorkerRole,
+    /// Where peers write its KV (prefill and decode engines).
+    pub kv_peer: Option<KvPeer>,
     /// The shard.
     pub shard: ShardHandle,
 }
@@ -146,6 +152,7 @@ struct Ctx {
     cfg: RemoteConfig,
     shards: Vec<Hosted>,
     by_id: HashMap<WorkerId, usize>,
+    kv: Option<Arc<KvLink>>,
 }
 
 impl Ctx {
@@ -162,16 +169,15 @@ enum End {
     Rejected { worker: WorkerId, reason: String },
 }
 
-/// Serves `shards` to the frontend met through `link` until `stop` turns true (or every
-/// shard stops). `events` is the receiving end of the channel the shards were spawned with.
-/// Returns the shards so the caller can shut them down.
+/// Serves the `started` shards to the frontend met through `link` until `stop` turns true
+/// (or every shard stops). Returns the shards so the caller can shut them down.
 pub async fn serve(
     cfg: RemoteConfig,
-    shards: Vec<Hosted>,
-    events: std::sync::mpsc::Receiver<ShardEvent>,
+    started: Started,
     link: Link,
     mut stop: watch::Receiver<bool>,
 ) -> (Vec<Hosted>, Result<(), RemoteError>) {
+    let Started { shards, events, kv } = started;
     if shards.is_empty() {
         return (shards, Err(RemoteError::NoShards));
     }
@@ -183,7 +189,7 @@ pub async fn serve(
         return (shards, Err(RemoteError::Thread(e)));
     }
     let by_id = shards.iter().enumerate().map(|(i, h)| (h.worker_id, i)).collect();
-    let ctx = Arc::new(Ctx { cfg, shards, by_id });
+    let ctx = Arc::new(Ctx { cfg, shards, by_id, kv });
     let result = run(&ctx, &link, &mut ev_rx, &mut stop).await;
     let shards = match Arc::try_unwrap(ctx) {
         Ok(ctx) => ctx.shards,
@@ -306,6 +312,8 @@ async fn session(
             block_size: cfg.block_size,
             kv_blocks: h.kv_blocks,
             max_num_seqs: h.max_num_seqs,
+            role: h.role,
+            kv_peer: h.kv_peer.clone(),
         };
         put(kind::REGISTER, &reg, &mut buf);
     }
@@ -493,6 +501,23 @@ async fn handle(ctx: &Arc<Ctx>, k: u8, payload: &[u8], up: &mpsc::Sender<Up>) ->
             }
             tracing::debug!(worker = r.worker_id, "registered");
         }
+        kind::PEERS => {
+            let p: Peers = wire::decode(payload).map_err(|e| bad(k, e))?;
+            match &ctx.kv {
+                Some(kv) => {
+                    if let Err(e) = kv.add_peers(&p.peers) {
+                        tracing::warn!(error = %e, "the frontend's KV peers cannot be used");
+                    }
+                }
+                None => tracing::debug!("KV peers for a worker without prefill engines"),
+            }
+        }
+        kind::KV_READY => {
+            let r: KvReady = wire::decode(payload).map_err(|e| bad(k, e))?;
+            if let Some(shard) = ctx.shard(r.worker_id) {
+                shard.send(Command::KvReady(r.id, r.arrived));
+            }
+        }
         kind::HEARTBEAT => {}
         other => tracing::debug!(kind = other, "skipping a frame of an unknown kind"),
     }
@@ -520,7 +545,10 @@ async fn forward(
             let _ = up.send(Up(id, out)).await;
             return;
         };
-        let last = !matches!(out, Output::Delta(_));
+        let last = matches!(
+            out,
+            Output::Finished { .. } | Output::Error { .. } | Output::Kv(KvNote::Sent(_))
+        );
         if synthetic_text && let Output::Delta(d) = &mut out {
             synthesize_text(d);
         }

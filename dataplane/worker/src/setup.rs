@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::time::Duration;
 
 use kvx_engine::mocker::{MockBackend, MockConfig};
 use kvx_engine::scheduler::SchedulerConfig;
@@ -17,11 +18,13 @@ use kvx_engine::{Engine, EngineConfig, EngineError, ModelBackend};
 use kvx_kernels::cpu::Kernels;
 use kvx_kernels::cpu::lanes::LaneMath;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{KvCache, LlamaConfig, LlamaModel};
+use kvx_kernels::model::{KvCache, KvLayout, KvMemory, LlamaConfig, LlamaModel};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::WorkerId;
+use kvx_proto::plane::WorkerRole;
 use kvx_tokenizer::Tokenizer;
 
+use crate::kvlink::{KvLink, KvLinkConfig};
 use crate::remote::Hosted;
 use crate::shard::{self, ShardConfig, ShardEvent};
 
@@ -143,6 +146,10 @@ pub struct EngineSetup {
     pub inbox_capacity: usize,
     /// Mock engines' settings.
     pub mocker: MockerSetup,
+    /// Each engine's part in disaggregated serving, in order (missing ones: aggregated).
+    pub roles: Vec<WorkerRole>,
+    /// The KV transfer link of prefill and decode engines.
+    pub kv_link: KvLinkConfig,
 }
 
 /// Why engines could not be set up.
@@ -208,12 +215,17 @@ impl ModelMeta {
     }
 }
 
-/// The shared state of the engines: the loaded model or the mocker's settings.
+/// The shared state of the engines: the loaded model or the mocker's settings (with the KV
+/// bytes per token of the model it stands for, for modelled transfers).
 #[derive(Debug, Clone)]
 enum Backing {
     Model(Arc<LlamaModel>),
-    Mocker(MockConfig),
+    Mocker(MockConfig, usize),
 }
+
+/// KV bytes per token of a tokenizer-free mock engine: SmolLM2-135M's (30 layers × 3 KV
+/// heads × 64 dimensions × keys and values × f16).
+const MOCK_KV_BYTES_PER_TOKEN: usize = 23_040;
 
 /// A setup whose model is loaded and whose sizes are known: engines can be made from it.
 #[derive(Debug, Clone)]
@@ -232,6 +244,9 @@ pub struct Started {
     pub shards: Vec<Hosted>,
     /// Their [`ShardEvent`]s, on one bounded channel.
     pub events: Receiver<ShardEvent>,
+    /// The KV transfer link of its prefill and decode engines (the plane tells it where
+    /// decode engines' caches are).
+    pub kv: Option<Arc<KvLink>>,
 }
 
 impl EngineSetup {
@@ -250,7 +265,19 @@ impl EngineSetup {
             pin: false,
             inbox_capacity: 4096,
             mocker: MockerSetup::default(),
+            roles: Vec::new(),
+            kv_link: KvLinkConfig::default(),
         }
+    }
+
+    /// The role of engine `i`.
+    pub fn role(&self, i: usize) -> WorkerRole {
+        self.roles.get(i).copied().unwrap_or_default()
+    }
+
+    /// Whether any engine takes part in disaggregated serving.
+    pub fn disaggregated(&self) -> bool {
+        (0..self.engines).any(|i| self.role(i) != WorkerRole::Agg)
     }
 
     /// `engines` tokenizer-free mock engines of `blocks` KV blocks each, drawing tokens below
@@ -298,6 +325,9 @@ impl EngineSetup {
         }
         if self.kv_cache_bytes == Some(0) {
             return bad("--kv-cache-bytes must be positive");
+        }
+        if self.roles.len() > self.engines {
+            return bad("more roles than engines");
         }
         match (self.kind, &self.model) {
             (EngineKind::Model, None) => bad("model engines need a model file"),
@@ -359,6 +389,9 @@ impl EngineSetup {
                     (None, Some(v)) => v,
                     (None, None) => unreachable_model()?,
                 };
+                let per_token = meta
+                    .as_ref()
+                    .map_or(MOCK_KV_BYTES_PER_TOKEN, |m| m.config.kv_bytes_per_token());
                 let tokenizer = meta.map(|m| m.tokenizer);
                 let mock = MockConfig {
                     n_vocab: n_vocab.max(2),
@@ -366,7 +399,7 @@ impl EngineSetup {
                     speedup: m.speedup,
                     avoid: tokenizer.as_ref().map(|t| t.eog_ids().to_vec()).unwrap_or_default(),
                 };
-                (Backing::Mocker(mock), tokenizer, sched, blocks.max(1))
+                (Backing::Mocker(mock, per_token), tokenizer, sched, blocks.max(1))
             }
         };
         Ok(Prepared { setup: self.clone(), backing, tokenizer, sched, kv_blocks })
@@ -400,7 +433,7 @@ impl Prepared {
     pub fn model(&self) -> Option<&Arc<LlamaModel>> {
         match &self.backing {
             Backing::Model(m) => Some(m),
-            Backing::Mocker(_) => None,
+            Backing::Mocker(..) => None,
         }
     }
 
@@ -431,17 +464,41 @@ impl Prepared {
 
     /// One engine on the calling thread, with its own (unpinned) kernel threads.
     pub fn engine(&self, worker_id: WorkerId) -> Result<Engine, SetupError> {
-        self.make(worker_id, Vec::new()).map_err(|source| SetupError::Engine { index: 0, source })
+        self.make(worker_id, Vec::new(), None)
+            .map_err(|source| SetupError::Engine { index: 0, source })
     }
 
-    fn make(&self, worker_id: WorkerId, cores: Vec<usize>) -> Result<Engine, EngineError> {
-        let cfg = EngineConfig { sched: self.sched.clone(), worker_id };
+    /// The layout of one engine's KV cache as a transfer sees it (modelled for mock engines:
+    /// only the block size in bytes matters to them).
+    fn kv_layout(&self) -> Result<KvLayout, EngineError> {
         match &self.backing {
-            Backing::Mocker(mock) => Ok(Engine::new(
-                cfg,
-                Box::new(MockBackend::new(mock.clone())),
-                self.tokenizer.clone(),
-            )),
+            Backing::Model(m) => {
+                Ok(KvCache::layout(&m.cfg, self.kv_blocks, self.sched.block_size)?)
+            }
+            Backing::Mocker(_, per_token) => {
+                let block_bytes = per_token * self.sched.block_size / 2;
+                Ok(KvLayout {
+                    bytes: 2 * block_bytes * self.kv_blocks,
+                    k_offset: 0,
+                    v_offset: block_bytes * self.kv_blocks,
+                    block_bytes,
+                })
+            }
+        }
+    }
+
+    fn make(
+        &self,
+        worker_id: WorkerId,
+        cores: Vec<usize>,
+        kv_memory: Option<Box<dyn KvMemory>>,
+    ) -> Result<Engine, EngineError> {
+        let cfg = EngineConfig { sched: self.sched.clone(), worker_id };
+        let quarantine = self.setup.kv_link.timeout + Duration::from_secs(5);
+        let engine = match &self.backing {
+            Backing::Mocker(mock, _) => {
+                Engine::new(cfg, Box::new(MockBackend::new(mock.clone())), self.tokenizer.clone())
+            }
             Backing::Model(model) => {
                 let threads = self.setup.threads_per_engine;
                 let pool = if cores.is_empty() {
@@ -455,25 +512,46 @@ impl Prepared {
                 }
                 .map_err(|e| EngineError::Internal(format!("starting kernel threads: {e}")))?;
                 let max_ctx = self.sched.max_model_len.min(self.kv_blocks * self.sched.block_size);
-                let backend = ModelBackend::new(
-                    model.clone(),
-                    self.setup.kernels,
-                    pool,
-                    self.kv_blocks,
-                    self.sched.block_size,
-                    self.sched.max_batched_tokens,
-                    max_ctx,
-                )?;
-                Ok(Engine::new(cfg, Box::new(backend), self.tokenizer.clone()))
+                let (m, k, bs) = (model.clone(), self.setup.kernels, self.sched.block_size);
+                let t = self.sched.max_batched_tokens;
+                let backend = match kv_memory {
+                    None => ModelBackend::new(m, k, pool, self.kv_blocks, bs, t, max_ctx)?,
+                    Some(mem) => ModelBackend::with_kv_memory(
+                        m,
+                        k,
+                        pool,
+                        self.kv_blocks,
+                        bs,
+                        t,
+                        max_ctx,
+                        mem,
+                    )?,
+                };
+                Engine::new(cfg, Box::new(backend), self.tokenizer.clone())
             }
-        }
+        };
+        Ok(engine.with_kv_quarantine(quarantine))
     }
 
     /// Starts every engine on its shard thread: shard `i` is worker `first_worker_id + i`;
-    /// when pinned, it runs on its own core and its kernel threads on the next ones.
+    /// when pinned, it runs on its own core and its kernel threads on the next ones. Prefill
+    /// and decode engines get their KV cache in a region of the process's transfer agent.
     pub fn start(&self) -> Result<Started, SetupError> {
         let (tx, events): (SyncSender<ShardEvent>, _) = sync_channel(EVENT_QUEUE);
         let s = &self.setup;
+        let link_err = |e: crate::kvlink::KvLinkError| SetupError::Invalid(e.to_string());
+        let kv = if s.disaggregated() {
+            let link = match self.backing {
+                Backing::Model(_) => {
+                    let name = format!("kvx-{}-{}", std::process::id(), s.first_worker_id);
+                    KvLink::with_agent(&name, s.kv_link.clone()).map_err(link_err)?
+                }
+                Backing::Mocker(..) => KvLink::modelled(s.kv_link.clone()),
+            };
+            Some(Arc::new(link))
+        } else {
+            None
+        };
         let tps = s.threads_per_engine;
         let cores = if s.pin { allowed_cores() } else { Vec::new() };
         let pin = s.pin && s.engines * tps <= cores.len();
@@ -486,19 +564,32 @@ impl Prepared {
                 Vec::new()
             };
             let core = mine.first().copied();
+            let role = s.role(i);
+            let (mem, link) = match (&kv, role) {
+                (Some(link), WorkerRole::Prefill | WorkerRole::Decode) => {
+                    let layout = self
+                        .kv_layout()
+                        .map_err(|source| SetupError::Engine { index: i, source })?;
+                    (link.region_for(worker_id, layout).map_err(link_err)?, Some(link.clone()))
+                }
+                _ => (None, None),
+            };
+            let kv_peer = link.as_ref().and_then(|l| l.peer(worker_id));
             let me = self.clone();
-            let make = move || me.make(worker_id, mine);
-            let cfg = ShardConfig { index: i, core, inbox_capacity: s.inbox_capacity };
+            let make = move || me.make(worker_id, mine, mem);
+            let cfg = ShardConfig { index: i, core, inbox_capacity: s.inbox_capacity, kv: link };
             let shard = shard::spawn(cfg, make, Some(tx.clone()))
                 .map_err(|source| SetupError::Engine { index: i, source })?;
             shards.push(Hosted {
                 worker_id,
                 kv_blocks: self.kv_blocks,
                 max_num_seqs: self.sched.max_num_seqs,
+                role,
+                kv_peer,
                 shard,
             });
         }
-        Ok(Started { shards, events })
+        Ok(Started { shards, events, kv })
     }
 }
 

@@ -13,11 +13,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvx_engine::block_pool::BlockEvent;
-use kvx_engine::{Engine, EngineError, EngineStats};
+use kvx_engine::{Admission, Engine, EngineError, EngineStats};
 use kvx_proto::{
-    ErrorClass, GenerateRequest, KvEvent, KvEventData, LoadReport, Output, OutputDelta, RequestId,
-    StorageTier, StoredBlock, WorkerId, WorkerMetrics,
+    ErrorClass, GenerateRequest, KvDest, KvEvent, KvEventData, KvNote, KvRole, LoadReport, Output,
+    OutputDelta, RequestId, StorageTier, StoredBlock, WorkerId, WorkerMetrics,
 };
+
+use crate::kvlink::{KvLink, Pending};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 /// Where a request's outputs go.
@@ -71,6 +73,8 @@ pub enum Command {
     Cancel(RequestId),
     /// Send a [`ShardEvent::Snapshot`] of the cached blocks (after lost events).
     Snapshot,
+    /// A reserved request's KV arrived (`true`) or will not come (`false`: compute it here).
+    KvReady(RequestId, bool),
     /// Stop accepting work; finish what runs until the deadline, then cancel it.
     Shutdown(Duration),
 }
@@ -84,6 +88,8 @@ pub struct ShardConfig {
     pub core: Option<usize>,
     /// Commands queued at most.
     pub inbox_capacity: usize,
+    /// Where prefilled requests' KV goes (prefill shards of disaggregated serving).
+    pub kv: Option<Arc<KvLink>>,
 }
 
 /// Why a request could not be handed to a shard.
@@ -158,6 +164,11 @@ impl ShardHandle {
         let _ = self.tx.try_send(cmd);
     }
 
+    /// Sends a command without blocking; false when the inbox is full (or the shard gone).
+    pub fn try_send(&self, cmd: Command) -> bool {
+        self.tx.try_send(cmd).is_ok()
+    }
+
     /// The latest status.
     pub fn status(&self) -> ShardStatus {
         *self.status.lock().unwrap_or_else(|p| p.into_inner())
@@ -210,6 +221,7 @@ pub fn spawn(
     let st = status.clone();
     let (ready_tx, ready_rx) = mpsc::sync_channel(1);
     let core = cfg.core;
+    let kv = cfg.kv.clone();
     let thread = std::thread::Builder::new()
         .name(format!("kvx-shard-{}", cfg.index))
         .spawn(move || {
@@ -217,7 +229,7 @@ pub fn spawn(
                 pin_current(c);
             }
             match make_engine() {
-                Ok(engine) => run(engine, rx, st, events, ready_tx),
+                Ok(engine) => run(engine, rx, st, events, kv, ready_tx),
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                 }
@@ -245,6 +257,13 @@ struct Loop {
     next_event: u64,
     worker_id: WorkerId,
     draining: Option<Instant>,
+    kv: Option<Arc<KvLink>>,
+    /// Where prefill-only requests' KV goes.
+    dests: HashMap<RequestId, KvDest>,
+    /// Transfers in flight, by request.
+    pending: Vec<(RequestId, Pending)>,
+    /// Requests prefilled in the last step.
+    prefilled: Vec<RequestId>,
 }
 
 /// The shard's loop; `ready` is told once the first status (the empty engine's load, under
@@ -254,6 +273,7 @@ fn run(
     rx: Receiver<Command>,
     status: Arc<Mutex<ShardStatus>>,
     events: Option<SyncSender<ShardEvent>>,
+    kv: Option<Arc<KvLink>>,
     ready: mpsc::SyncSender<Result<(), EngineError>>,
 ) {
     let worker_id = engine.config().worker_id;
@@ -265,6 +285,10 @@ fn run(
         next_event: 1,
         worker_id,
         draining: None,
+        kv,
+        dests: HashMap::new(),
+        pending: Vec::new(),
+        prefilled: Vec::new(),
     };
     l.publish_status();
     let _ = ready.send(Ok(()));
@@ -282,11 +306,21 @@ fn run(
                     }
                 }
             } else {
-                match rx.recv_timeout(Duration::from_millis(100)) {
+                // Transfers in flight are polled often; otherwise wake for the status.
+                let wait = if l.pending.is_empty() {
+                    Duration::from_millis(100)
+                } else {
+                    Duration::from_micros(500)
+                };
+                match rx.recv_timeout(wait) {
                     Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => {
+                        l.poll_transfers();
                         l.publish_status();
-                        continue;
+                        if l.pending.is_empty() {
+                            continue;
+                        }
+                        break;
                     }
                     Err(RecvTimeoutError::Disconnected) => {
                         inbox_open = false;
@@ -296,10 +330,15 @@ fn run(
             };
             match cmd {
                 Command::Add(req, sink) => l.add(*req, sink),
-                Command::Cancel(id) => {
-                    l.engine.cancel(id);
-                }
+                Command::Cancel(id) => l.cancel(id),
                 Command::Snapshot => l.send_snapshot(),
+                Command::KvReady(id, arrived) => {
+                    if arrived {
+                        l.engine.kv_arrived(id);
+                    } else {
+                        l.engine.kv_failed(id);
+                    }
+                }
                 Command::Shutdown(grace) => {
                     l.draining = Some(Instant::now() + grace);
                     inbox_open = false;
@@ -313,7 +352,7 @@ fn run(
                     l.engine.cancel(id);
                 }
             }
-            if !l.engine.has_work() && l.sinks.is_empty() {
+            if !l.engine.has_work() && l.sinks.is_empty() && l.pending.is_empty() {
                 l.publish_status();
                 return;
             }
@@ -326,6 +365,7 @@ fn run(
         if l.engine.has_work() {
             l.step();
         }
+        l.poll_transfers();
         l.publish_status();
     }
 }
@@ -340,7 +380,20 @@ impl Loop {
             return;
         }
         match self.engine.add(&req) {
-            Ok(()) => {
+            Ok(admission) => {
+                let note = match admission {
+                    Admission::Queued => None,
+                    Admission::Reserved { first_block, blocks } => {
+                        Some(KvNote::Reserved { first_block, blocks })
+                    }
+                    Admission::NotReserved => Some(KvNote::Local),
+                };
+                if let Some(note) = note {
+                    let _ = sink.send(Output::Kv(note));
+                }
+                if let KvRole::PrefillTo(d) = req.kv {
+                    self.dests.insert(req.id, d);
+                }
                 self.sinks.insert(req.id, sink);
             }
             Err(e) => {
@@ -374,6 +427,10 @@ impl Loop {
         };
         let mut gone = Vec::new();
         for ev in &out.events {
+            if ev.prefilled {
+                self.prefilled.push(ev.id);
+                continue;
+            }
             let Some(sink) = self.sinks.get(&ev.id) else { continue };
             let mut ok = true;
             if ev.token.is_some() && ev.usage.completion_tokens == 1 {
@@ -405,13 +462,91 @@ impl Loop {
         }
         // Requests whose client went away (seen on send, or on a request that produced no
         // token this step) are cancelled now; their blocks return before the next step.
+        // A request whose KV is being sent ends when the transfer does.
         gone.extend(self.sinks.iter().filter(|(_, s)| s.is_closed()).map(|(id, _)| *id));
         for id in gone {
+            let sending = self.sending(id);
             self.sinks.remove(&id);
-            self.engine.cancel(id);
-            self.notify(ShardEvent::Finished { worker_id: self.worker_id, id });
+            if !sending {
+                self.dests.remove(&id);
+                self.engine.cancel(id);
+                self.notify(ShardEvent::Finished { worker_id: self.worker_id, id });
+            }
+        }
+        while let Some(id) = self.prefilled.pop() {
+            self.start_transfer(id);
         }
         self.publish_events();
+    }
+
+    /// Whether a request's KV is being sent.
+    fn sending(&self, id: RequestId) -> bool {
+        self.pending.iter().any(|(p, _)| *p == id)
+    }
+
+    /// Cancels a request (the next step reports it), unless its KV is being sent: its
+    /// blocks are read until the transfer ends, then it is released and nobody is told.
+    fn cancel(&mut self, id: RequestId) {
+        if self.sending(id) {
+            self.sinks.remove(&id);
+            return;
+        }
+        self.dests.remove(&id);
+        self.engine.cancel(id);
+    }
+
+    /// Starts sending a prefilled request's KV to the blocks its decode worker reserved.
+    fn start_transfer(&mut self, id: RequestId) {
+        let started = (|| {
+            let dest = self.dests.remove(&id).ok_or("no destination for its KV")?;
+            let kv = self.kv.clone().ok_or("this worker has no KV transfer link")?;
+            let blocks = self.engine.blocks_of(id).ok_or("its blocks are gone")?;
+            let src = blocks
+                .get(dest.first_block..dest.first_block + dest.blocks.len())
+                .ok_or("the decode worker reserved more blocks than the prompt has")?;
+            let prefill_ms = self.engine.age(id).map_or(0.0, |d| d.as_secs_f32() * 1e3);
+            kv.start(self.worker_id, src, &dest, prefill_ms).map_err(|e| {
+                tracing::warn!(request = %id, error = %e, "KV transfer refused");
+                "the KV transfer could not start"
+            })
+        })();
+        match started {
+            Ok(p) => {
+                if let Some(sink) = self.sinks.get(&id) {
+                    let _ = sink.send(Output::Kv(KvNote::Sending));
+                }
+                self.pending.push((id, p));
+            }
+            Err(why) => self.end_transfer(id, Err(why.to_string())),
+        }
+    }
+
+    /// Ends the transfers that are done.
+    fn poll_transfers(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            match self.pending[i].1.poll() {
+                Some(r) => {
+                    let (id, _) = self.pending.swap_remove(i);
+                    self.end_transfer(id, r);
+                }
+                None => i += 1,
+            }
+        }
+    }
+
+    /// A prefill-only request is over: its blocks go back (to the prefix cache) and its
+    /// stream ends with what the transfer did.
+    fn end_transfer(&mut self, id: RequestId, r: Result<kvx_proto::KvTransfer, String>) {
+        self.engine.release(id);
+        if let Some(sink) = self.sinks.remove(&id) {
+            let out = match r {
+                Ok(t) => Output::Kv(KvNote::Sent(t)),
+                Err(message) => Output::Error { class: ErrorClass::Unavailable, message },
+            };
+            let _ = sink.send(out);
+        }
+        self.notify(ShardEvent::Finished { worker_id: self.worker_id, id });
     }
 
     fn publish_events(&mut self) {

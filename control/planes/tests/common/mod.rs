@@ -38,6 +38,15 @@ pub fn mock_shards(n: usize, first: u64, speedup: f64) -> Started {
     s.prepare().expect("prepare").start().expect("start")
 }
 
+/// Mock engines with these roles (in order), numbered from `first`, with a modelled KV link.
+pub fn mock_roles(roles: &[kvx_proto::plane::WorkerRole], first: u64, speedup: f64) -> Started {
+    let mut s = EngineSetup::tokenizer_free_mocker(roles.len(), 256, 64, 4096, speedup);
+    s.first_worker_id = first;
+    s.limits.block_size = BS;
+    s.roles = roles.to_vec();
+    s.prepare().expect("prepare").start().expect("start")
+}
+
 /// How a request ended, with the tokens it streamed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum End {
@@ -65,7 +74,7 @@ pub async fn collect(rx: &mut UnboundedReceiver<Output>, limit: Duration) -> (Ve
                 return (tokens, End::Error(class, message));
             }
             Ok(Some(Output::Kv(KvNote::Sent(_)))) => return (tokens, End::KvSent),
-            Ok(Some(Output::Kv(KvNote::Reserved { .. }))) => {}
+            Ok(Some(Output::Kv(_))) => {}
         }
     }
 }
@@ -81,7 +90,7 @@ pub fn collect_blocking(rx: &mut UnboundedReceiver<Output>, limit: Duration) -> 
             Ok(Output::Finished { reason, .. }) => return (tokens, End::Finished(reason)),
             Ok(Output::Error { class, message }) => return (tokens, End::Error(class, message)),
             Ok(Output::Kv(KvNote::Sent(_))) => return (tokens, End::KvSent),
-            Ok(Output::Kv(KvNote::Reserved { .. })) => {}
+            Ok(Output::Kv(_)) => {}
             Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
                 return (tokens, End::Closed);
             }

@@ -1,9 +1,14 @@
-//! Router flags shared by the commands that route requests (`serve`, `frontend`), and the one
-//! place that turns them into a [`RouterConfig`].
+//! Router and disaggregation flags shared by the commands that route requests (`serve`,
+//! `frontend`) and run engines (`worker`), and the one place that turns them into a
+//! [`RouterConfig`], a [`DisaggConfig`] and the KV link's settings.
+
+use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+use kvx_planes::DisaggConfig;
 use kvx_router::{RouterConfig, RoutingMode};
+use kvx_worker::kvlink::KvLinkConfig;
 
 /// How the router places requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -57,5 +62,46 @@ impl RouterOpts {
         }
         cfg.validate().map_err(|e| anyhow::anyhow!("router flags: {e}"))?;
         Ok(cfg)
+    }
+}
+
+/// Disaggregated prefill and decode.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct DisaggOpts {
+    /// Prefill on a prefill worker only when the prompt the decode worker lacks has at least
+    /// this many tokens (shorter ones are computed by the decode worker).
+    #[arg(long, env = "KVX_DISAGG_MIN_TOKENS", default_value_t = 256)]
+    pub(crate) disagg_min_tokens: usize,
+    /// ... and the prefill workers queue fewer prompt tokens than this.
+    #[arg(long, env = "KVX_DISAGG_MAX_PREFILL_QUEUE", default_value_t = 16_384)]
+    pub(crate) disagg_max_prefill_queue: usize,
+    /// Milliseconds a prompt's KV transfer may take; then the decode worker computes it.
+    #[arg(long, env = "KVX_KV_TRANSFER_TIMEOUT_MS", default_value_t = 10_000)]
+    pub(crate) kv_transfer_timeout_ms: u64,
+    /// Milliseconds a prefill worker may take to compute a prompt before the decode worker
+    /// computes it instead (a dead prefill worker is noticed at once).
+    #[arg(long, env = "KVX_PREFILL_TIMEOUT_MS", default_value_t = 300_000)]
+    pub(crate) prefill_timeout_ms: u64,
+}
+
+impl DisaggOpts {
+    /// The frontend side.
+    pub(crate) fn config(&self) -> DisaggConfig {
+        DisaggConfig {
+            min_tokens: self.disagg_min_tokens,
+            max_prefill_queue: self.disagg_max_prefill_queue,
+            transfer_timeout: self.timeout(),
+            prefill_timeout: Duration::from_millis(self.prefill_timeout_ms.max(1)),
+            ..DisaggConfig::default()
+        }
+    }
+
+    /// The workers' KV link (`tcp`: the agent's address for peers on other hosts).
+    pub(crate) fn link(&self, tcp: Option<std::net::SocketAddr>) -> KvLinkConfig {
+        KvLinkConfig { tcp_listen: tcp, timeout: self.timeout(), ..KvLinkConfig::default() }
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.kv_transfer_timeout_ms.max(1))
     }
 }

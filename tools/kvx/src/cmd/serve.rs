@@ -9,13 +9,14 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use kvx_ingress::{Dispatcher, ModelInfo, Server};
 use kvx_planes::LocalPlane;
+use kvx_proto::plane::WorkerRole;
 use kvx_worker::EngineKind;
 use kvx_worker::setup::allowed_cores;
 
 use super::Runtime;
 use super::engine::EngineOpts;
 use super::http_opts::{HttpOpts, created_now, shutdown_signal};
-use super::router_opts::RouterOpts;
+use super::router_opts::{DisaggOpts, RouterOpts};
 
 /// What computes tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -43,8 +44,17 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     router: RouterOpts,
     /// Engine shards (default: one per core).
-    #[arg(long, env = "KVX_SHARDS")]
+    #[arg(long, env = "KVX_SHARDS", conflicts_with = "prefill_shards")]
     shards: Option<usize>,
+    /// Disaggregated serving in this process: this many prefill shards (with
+    /// `--decode-shards`), whose prompts' KV moves to the decode shards.
+    #[arg(long, env = "KVX_PREFILL_SHARDS", requires = "decode_shards")]
+    prefill_shards: Option<usize>,
+    /// Decode shards (with `--prefill-shards`).
+    #[arg(long, env = "KVX_DECODE_SHARDS", requires = "prefill_shards")]
+    decode_shards: Option<usize>,
+    #[command(flatten)]
+    disagg: DisaggOpts,
     /// Kernel threads per shard (default 1, or --threads).
     #[arg(long, env = "KVX_THREADS_PER_SHARD")]
     threads_per_shard: Option<usize>,
@@ -74,6 +84,15 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let kind = args.engine.kind();
     let mut setup = args.opts.setup(rt, kind, true)?;
     setup.engines = args.shards.unwrap_or(n_cores).max(1);
+    if let (Some(p), Some(d)) = (args.prefill_shards, args.decode_shards) {
+        if p == 0 || d == 0 {
+            anyhow::bail!("--prefill-shards and --decode-shards must both be at least 1");
+        }
+        setup.engines = p + d;
+        setup.roles = [vec![WorkerRole::Prefill; p], vec![WorkerRole::Decode; d]].concat();
+        // One process: the KV moves through shared memory; no TCP listener.
+        setup.kv_link = args.disagg.link(None);
+    }
     setup.threads_per_engine = args.threads_per_shard.or(args.opts.threads).unwrap_or(1).max(1);
     setup.pin = true;
     setup.mocker.speedup = args.speedup_ratio;
@@ -84,7 +103,7 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let tokenizer = prepared.tokenizer().cloned().context("the model has no tokenizer")?;
     let context = prepared.context_limit();
     let router = args.router.config(prepared.block_size())?;
-    let plane = Arc::new(LocalPlane::new(prepared.start()?, router)?);
+    let plane = Arc::new(LocalPlane::with_disagg(prepared.start()?, router, args.disagg.config())?);
     drop(prepared);
     let model = ModelInfo {
         name: name.clone(),

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use kvx_worker::remote::Link;
-use kvx_worker::{EngineKind, MockerSetup, RemoteConfig, Started};
+use kvx_worker::{EngineKind, MockerSetup, RemoteConfig};
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -163,8 +163,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
             shutdown_signal().await;
             let _ = stop_tx.send(true);
         });
-        let Started { shards, events } = started;
-        anyhow::Ok(kvx_worker::remote::serve(cfg, shards, events, link, stop_rx).await)
+        anyhow::Ok(kvx_worker::remote::serve(cfg, started, link, stop_rx).await)
     })?;
     let grace = Duration::from_secs_f64(args.shutdown_grace);
     for h in &hosted {
