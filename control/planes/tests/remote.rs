@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use common::{BS, End, collect, mock_shards, request, wait_for};
 use kvx_ingress::{DispatchError, Dispatcher};
-use kvx_planes::{RemotePlane, RemotePlaneConfig};
-use kvx_proto::plane::{Cancel, OutputMsg, Register, Registered, Submit, kind};
+use kvx_planes::{DisaggConfig, RemotePlane, RemotePlaneConfig};
+use kvx_proto::plane::{
+    Cancel, KvReady, OutputMsg, Register, Registered, Submit, WorkerRole, kind,
+};
 use kvx_proto::wire::{self, WireError};
 use kvx_proto::{ErrorClass, FinishReason, Output, OutputDelta, RequestId, WorkerId};
 use kvx_router::RouterConfig;
@@ -26,6 +28,13 @@ const LONG: Duration = Duration::from_secs(20);
 
 /// A plane on an ephemeral loopback port; returns it and the address workers join at.
 async fn plane(heartbeat_timeout: Duration) -> (Arc<RemotePlane>, String) {
+    plane_with(heartbeat_timeout, DisaggConfig::default()).await
+}
+
+async fn plane_with(
+    heartbeat_timeout: Duration,
+    disagg: DisaggConfig,
+) -> (Arc<RemotePlane>, String) {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
     let cfg = RemotePlaneConfig {
@@ -35,7 +44,11 @@ async fn plane(heartbeat_timeout: Duration) -> (Arc<RemotePlane>, String) {
         ..RemotePlaneConfig::default()
     };
     let router = RouterConfig { block_size: BS, ..RouterConfig::default() };
-    (RemotePlane::start(cfg, router, l).expect("plane"), addr)
+    (RemotePlane::with_disagg(cfg, router, disagg, l).expect("plane"), addr)
+}
+
+fn metric(p: &RemotePlane, name: &str) -> f64 {
+    p.router_metrics().into_iter().find(|(k, _)| *k == name).map_or(f64::NAN, |(_, v)| v)
 }
 
 fn worker_cfg(block_size: usize) -> RemoteConfig {
@@ -68,6 +81,15 @@ impl RealWorker {
         RealWorker::start(Link::Connect(addr.to_string()), n, first, BS)
     }
 
+    /// Mock engines of one role, joining the plane at `addr`.
+    fn with_role(addr: &str, role: WorkerRole, first: WorkerId) -> RealWorker {
+        let started = common::mock_roles(&[role], first, 100.0);
+        let (stop, rx) = watch::channel(false);
+        let link = Link::Connect(addr.to_string());
+        let task = tokio::spawn(kvx_worker::remote::serve(worker_cfg(BS), started, link, rx));
+        RealWorker { stop, task }
+    }
+
     async fn stop(self) -> Result<(), RemoteError> {
         let _ = self.stop.send(true);
         let (shards, r) = self.task.await.expect("worker task");
@@ -87,6 +109,11 @@ struct Scripted {
 impl Scripted {
     /// Connects and registers `worker`.
     async fn join(addr: &str, worker: WorkerId) -> Scripted {
+        Scripted::join_as(addr, worker, WorkerRole::Agg).await
+    }
+
+    /// Connects and registers `worker` in `role`.
+    async fn join_as(addr: &str, worker: WorkerId, role: WorkerRole) -> Scripted {
         let stream = TcpStream::connect(addr).await.expect("connect");
         let mut s = Scripted { stream, buf: Vec::new() };
         let reg = Register {
@@ -95,7 +122,7 @@ impl Scripted {
             block_size: BS,
             kv_blocks: 1024,
             max_num_seqs: 64,
-            role: Default::default(),
+            role,
             kv_peer: None,
         };
         s.send(kind::REGISTER, &reg).await;
@@ -110,7 +137,7 @@ impl Scripted {
         self.stream.write_all(&out).await.expect("write");
     }
 
-    /// The next frame of kind `k`, skipping heartbeats and snapshot requests.
+    /// The next frame of kind `k`, skipping heartbeats, snapshot requests and KV peers.
     async fn expect<T: serde::de::DeserializeOwned>(&mut self, k: u8) -> T {
         loop {
             match wire::split(&self.buf, wire::MAX_FRAME) {
@@ -121,7 +148,7 @@ impl Scripted {
                         return wire::decode(&payload).expect("decode");
                     }
                     assert!(
-                        got == kind::HEARTBEAT || got == kind::SNAPSHOT_REQUEST,
+                        matches!(got, kind::HEARTBEAT | kind::SNAPSHOT_REQUEST | kind::PEERS),
                         "unexpected frame kind {got} while waiting for {k}"
                     );
                 }
@@ -316,4 +343,80 @@ async fn the_frontend_dials_a_listening_worker() {
     assert_eq!(collect(&mut rx, LONG).await.1, End::Finished(FinishReason::Length));
     w.stop().await.expect("stop");
     wait_for("the worker to leave", || p.workers().is_empty()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_and_decode_workers_serve_a_request_together() {
+    let disagg = DisaggConfig { min_tokens: 0, ..DisaggConfig::default() };
+    let (p, addr) = plane_with(Duration::from_secs(2), disagg).await;
+    let d = RealWorker::with_role(&addr, WorkerRole::Decode, 10);
+    wait_for("the decode worker", || p.workers().len() == 1).await;
+    let pw = RealWorker::with_role(&addr, WorkerRole::Prefill, 20);
+    wait_for("the prefill worker", || p.workers().len() == 2).await;
+    // The prefill worker learns the decode worker's KV peer when it registers.
+    for id in 1..=3 {
+        let mut rx = p.submit(request(id, id as u32, 300, 6)).expect("submit");
+        let (tokens, end) = collect(&mut rx, LONG).await;
+        assert_eq!((tokens.len(), end), (6, End::Finished(FinishReason::Length)));
+    }
+    assert_eq!(metric(&p, "disagg_remote_prefills_total"), 3.0);
+    assert_eq!(metric(&p, "disagg_fallbacks_total"), 0.0);
+    assert!(metric(&p, "kv_transfer_bytes_total") > 0.0);
+    wait_for("the prefill worker's counters", || {
+        p.workers().iter().any(|w| w.id == 20 && w.metrics.prefill_tokens == 3 * 299)
+    })
+    .await;
+    pw.stop().await.expect("stop");
+    d.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_that_disappears_leaves_the_prompt_to_the_decode_worker() {
+    let disagg = DisaggConfig { min_tokens: 0, ..DisaggConfig::default() };
+    let (p, addr) = plane_with(Duration::from_secs(2), disagg).await;
+    let d = RealWorker::with_role(&addr, WorkerRole::Decode, 10);
+    wait_for("the decode worker", || p.workers().len() == 1).await;
+    let mut pw = Scripted::join_as(&addr, 20, WorkerRole::Prefill).await;
+    wait_for("the prefill worker", || p.workers().len() == 2).await;
+    let mut rx = p.submit(request(1, 4, 300, 5)).expect("submit");
+    let s: Submit = pw.expect(kind::SUBMIT).await;
+    assert_eq!(s.request.id, RequestId(1).prefill_leg());
+    assert!(matches!(s.request.kv, kvx_proto::KvRole::PrefillTo(ref d) if d.worker == 10));
+    drop(pw); // dies while prefilling
+    let (tokens, end) = collect(&mut rx, LONG).await;
+    assert_eq!((tokens.len(), end), (5, End::Finished(FinishReason::Length)));
+    assert_eq!(metric(&p, "disagg_fallbacks_total"), 1.0);
+    d.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_is_told_when_the_kv_is_in() {
+    let disagg = DisaggConfig { min_tokens: 0, ..DisaggConfig::default() };
+    let (p, addr) = plane_with(Duration::from_secs(2), disagg).await;
+    let mut dw = Scripted::join_as(&addr, 10, WorkerRole::Decode).await;
+    let mut pw = Scripted::join_as(&addr, 20, WorkerRole::Prefill).await;
+    wait_for("both workers", || p.workers().len() == 2).await;
+    let mut rx = p.submit(request(7, 4, 100, 2)).expect("submit");
+    let s: Submit = dw.expect(kind::SUBMIT).await;
+    assert_eq!(s.request.kv, kvx_proto::KvRole::AwaitKv);
+    let reserved =
+        kvx_proto::KvNote::Reserved { first_block: 0, blocks: vec![4, 5, 6, 7, 8, 9, 10] };
+    dw.output(RequestId(7), Output::Kv(reserved)).await;
+    let s: Submit = pw.expect(kind::SUBMIT).await;
+    let kvx_proto::KvRole::PrefillTo(dest) = s.request.kv else { panic!("a prefill leg") };
+    assert_eq!((dest.worker, dest.first_block, dest.blocks.len()), (10, 0, 7));
+    pw.output(RequestId(7).prefill_leg(), Output::Kv(kvx_proto::KvNote::Sending)).await;
+    let sent = kvx_proto::KvTransfer { blocks: 7, bytes: 7000, prefill_ms: 1.0, transfer_ms: 0.5 };
+    pw.output(RequestId(7).prefill_leg(), Output::Kv(kvx_proto::KvNote::Sent(sent))).await;
+    let r: KvReady = dw.expect(kind::KV_READY).await;
+    assert_eq!((r.worker_id, r.id, r.arrived), (10, RequestId(7), true));
+    dw.output(RequestId(7), delta(3)).await;
+    let fin = Output::Finished {
+        reason: FinishReason::Length,
+        usage: kvx_proto::Usage { prompt_tokens: 100, completion_tokens: 1, cached_tokens: 0 },
+    };
+    dw.output(RequestId(7), fin).await;
+    let (tokens, end) = collect(&mut rx, LONG).await;
+    assert_eq!((tokens, end), (vec![3], End::Finished(FinishReason::Length)));
+    assert_eq!(metric(&p, "kv_transfer_bytes_total"), 7000.0);
 }

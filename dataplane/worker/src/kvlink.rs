@@ -117,8 +117,11 @@ impl KvLink {
         let mut ac = AgentConfig::new(name);
         ac.tcp_listen = cfg.tcp_listen;
         ac.xfer_timeout = cfg.timeout;
-        // KV pages are touched as blocks fill; 2 MiB pages would zero inside a step.
+        // KV pages are touched as blocks fill: no 2 MiB pages (they would zero inside a
+        // step), no pinning of whole regions (they would be resident at once).
         ac.hugepages = kvx_xfer::HugePages::Never;
+        ac.fixed_buffers = false;
+        ac.prefault = false;
         let agent = Agent::new(ac)?;
         Ok(Self::build(cfg, Some(agent)))
     }

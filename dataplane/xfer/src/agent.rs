@@ -102,6 +102,14 @@ pub struct AgentConfig {
     pub ring_entries: u32,
     /// Zero-copy send policy of the TCP backend.
     pub tcp_zero_copy: ZeroCopy,
+    /// Register memory regions with io_uring as fixed buffers, for `READ_FIXED` /
+    /// `WRITE_FIXED` file transfers. Registration pins a region's pages: all of it becomes
+    /// resident at once. Without it, file transfers use plain reads and writes.
+    pub fixed_buffers: bool,
+    /// Pre-fault memory regions (this agent's, and its mappings of peers') when they are
+    /// mapped, so that no transfer takes a page fault. Off for memory that should become
+    /// resident as it is used (a KV cache that fills gradually).
+    pub prefault: bool,
 }
 
 impl AgentConfig {
@@ -121,6 +129,8 @@ impl AgentConfig {
             connect_timeout: Duration::from_secs(5),
             ring_entries: 256,
             tcp_zero_copy: ZeroCopy::Auto,
+            fixed_buffers: true,
+            prefault: true,
         }
     }
 }
@@ -453,9 +463,13 @@ impl Agent {
     /// Allocate and register `len` bytes of host memory (memfd, hugepages per config).
     pub fn alloc_mem(&self, len: u64) -> Result<RegionId> {
         let idx = self.shared.regions.push_with(XferError::Full("region table"), |i| {
-            let mut r = region::alloc_mem(RegionId(i), len, self.shared.cfg.hugepages)?;
+            let cfg = &self.shared.cfg;
+            let mut r = region::alloc_mem(RegionId(i), len, cfg.hugepages, cfg.prefault)?;
             let ptr = r.mem_ptr().ok_or(XferError::Protocol("memory region without mapping"))?;
-            r.uring_idx = self.uring_call(0, |reply| UJob::RegMem { ptr, len: r.len, reply })?;
+            if self.shared.cfg.fixed_buffers {
+                r.uring_idx =
+                    self.uring_call(0, |reply| UJob::RegMem { ptr, len: r.len, reply })?;
+            }
             Ok(r)
         })?;
         Ok(RegionId(idx))
@@ -661,8 +675,12 @@ impl Agent {
                         let off = ld.offset + done;
                         let chunk = off / BUF_CHUNK;
                         let n = (ld.len - done).min((chunk + 1) * BUF_CHUNK - off);
-                        let idx = u16::try_from(u64::from(lr.uring_idx) + chunk)
-                            .map_err(|_| XferError::Full("registered buffer table"))?;
+                        let idx = if lr.uring_idx == u32::MAX {
+                            u16::MAX // not registered: a plain read or write
+                        } else {
+                            u16::try_from(u64::from(lr.uring_idx) + chunk)
+                                .map_err(|_| XferError::Full("registered buffer table"))?
+                        };
                         l.push(mk_mem(*lbase, &Desc::new(ld.region, off, n), idx)?);
                         f.push(FileSeg { fixed, off: fbase + rd.offset + done });
                         done += n;

@@ -59,8 +59,8 @@ unsafe impl Send for MemMap {}
 unsafe impl Sync for MemMap {}
 
 impl MemMap {
-    /// Map `len` bytes of `fd` shared and read-write, pre-faulting the pages.
-    pub(crate) fn map_shared(fd: RawFd, len: usize) -> Result<MemMap> {
+    /// Map `len` bytes of `fd` shared and read-write, pre-faulting the pages if `populate`.
+    pub(crate) fn map_shared(fd: RawFd, len: usize, populate: bool) -> Result<MemMap> {
         if len == 0 {
             return Err(XferError::Unsupported("zero-length region"));
         }
@@ -71,7 +71,7 @@ impl MemMap {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 },
                 fd,
                 0,
             )
@@ -172,8 +172,8 @@ fn ftruncate(fd: &OwnedFd, len: u64) -> Result<()> {
 }
 
 /// Create a host memory region of `len` bytes: a memfd (hugetlb if asked and available),
-/// sized, mapped shared and pre-faulted.
-pub(crate) fn alloc_mem(id: RegionId, len: u64, huge: HugePages) -> Result<Region> {
+/// sized, mapped shared and pre-faulted if `populate`.
+pub(crate) fn alloc_mem(id: RegionId, len: u64, huge: HugePages, populate: bool) -> Result<Region> {
     if len == 0 {
         return Err(XferError::Unsupported("zero-length region"));
     }
@@ -183,7 +183,7 @@ pub(crate) fn alloc_mem(id: RegionId, len: u64, huge: HugePages) -> Result<Regio
         let attempt = memfd(&name, libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB)
             .and_then(|fd| {
                 ftruncate(&fd, hlen)?;
-                let map = MemMap::map_shared(fd.as_raw_fd(), to_usize(hlen)?)?;
+                let map = MemMap::map_shared(fd.as_raw_fd(), to_usize(hlen)?, populate)?;
                 Ok((fd, map))
             });
         match attempt {
@@ -201,7 +201,7 @@ pub(crate) fn alloc_mem(id: RegionId, len: u64, huge: HugePages) -> Result<Regio
     }
     let fd = memfd(&name, libc::MFD_CLOEXEC)?;
     ftruncate(&fd, len)?;
-    let map = MemMap::map_shared(fd.as_raw_fd(), to_usize(len)?)?;
+    let map = MemMap::map_shared(fd.as_raw_fd(), to_usize(len)?, populate)?;
     Ok(Region { id, len, backing: Backing::Mem { map, fd, huge: false }, uring_idx: u32::MAX })
 }
 

@@ -184,7 +184,7 @@ pub(crate) fn connect_peer(
                 if len > map_len {
                     return Err(XferError::Protocol("region longer than its mapping"));
                 }
-                Owned::Mem(MemMap::map_shared(fd.as_raw_fd(), to_usize(map_len)?)?)
+                Owned::Mem(MemMap::map_shared(fd.as_raw_fd(), to_usize(map_len)?, sh.cfg.prefault)?)
             } else {
                 let fixed = reg_file(fd.as_raw_fd())?;
                 Owned::File { _fd: fd, fixed, base }

@@ -57,6 +57,9 @@ thread_local! {
     static COPY_THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
     /// io_uring engines (TCP connections per remote) for agents built by this test thread.
     static TCP_THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
+    /// Whether agents built by this test thread keep regions resident (pre-faulted and
+    /// registered as fixed buffers).
+    static RESIDENT: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
 }
 
 fn base_cfg(name: &str) -> AgentConfig {
@@ -64,6 +67,8 @@ fn base_cfg(name: &str) -> AgentConfig {
     c.tcp_zero_copy = ZC.with(|z| z.get());
     c.copy_threads = COPY_THREADS.with(|t| t.get());
     c.tcp_threads = TCP_THREADS.with(|t| t.get());
+    c.fixed_buffers = RESIDENT.with(|f| f.get());
+    c.prefault = RESIDENT.with(|f| f.get());
     c
 }
 
@@ -635,6 +640,17 @@ mod tcp_two_engines {
         random_lists_verified_byte_for_byte(Backend::File);
         many_in_flight_complete_in_any_order(Backend::File)
     }
+}
+
+/// Regions that become resident as they are used: not pre-faulted, not registered with the
+/// ring (file transfers then use plain reads and writes).
+#[test]
+fn regions_not_kept_resident() {
+    RESIDENT.with(|f| f.set(false));
+    random_lists_verified_byte_for_byte(Backend::File);
+    many_in_flight_complete_in_any_order(Backend::File);
+    random_lists_verified_byte_for_byte(Backend::Shm);
+    random_lists_verified_byte_for_byte(Backend::Tcp)
 }
 
 #[test]

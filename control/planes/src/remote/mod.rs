@@ -12,6 +12,13 @@
 //! `Unavailable: worker … disappeared`. A worker that reports `Overloaded` or `Unavailable`
 //! for a request before its first token gets the request placed elsewhere too. Placements per
 //! request are bounded (`max_attempts`).
+//!
+//! Workers register a role. Prefill workers go into a router of their own, and requests
+//! worth it run disaggregated ([`crate::disagg`]): each decode worker's KV peer (its
+//! transfer agent's metadata and cache layout) is sent once to every prefill worker
+//! ([`Peers`]), and the relay of a request tells its decode worker when the KV is in
+//! ([`KvReady`]). Prefill workers on other hosts write over TCP; on the same host, through
+//! shared memory.
 
 mod session;
 
@@ -23,16 +30,21 @@ use std::time::{Duration, Instant};
 
 use kvx_ingress::{DispatchError, Dispatcher, WorkerState};
 use kvx_proto::hashing::seed_for;
-use kvx_proto::plane::{Cancel, OutputMsg, Register, Registered, Submit};
+use kvx_proto::plane::{
+    Cancel, KvPeer, KvReady, OutputMsg, Peers, Register, Registered, Submit, WorkerRole,
+};
 use kvx_proto::wire;
-use kvx_proto::{ErrorClass, GenerateRequest, Output, RequestId, WorkerId, WorkerMetrics};
+use kvx_proto::{
+    ErrorClass, GenerateRequest, KvNote, KvRole, Output, RequestId, WorkerId, WorkerMetrics,
+};
 use kvx_router::{RequestBlocks, Router, RouterConfig};
 use kvx_worker::output_channel;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 
 use crate::PlaneError;
-use crate::feed::router_metrics;
+use crate::disagg::{self, DisaggConfig, DisaggCounters, Legs, Local};
+use crate::feed::{self, router_metrics};
 
 /// Settings of the remote planes, frontend side.
 #[derive(Debug, Clone)]
@@ -72,6 +84,8 @@ enum Down {
     Submit(Box<Submit>),
     Cancel(Cancel),
     Snapshot(WorkerId),
+    Peers(Peers),
+    KvReady(KvReady),
     /// Close the connection (a newer registration took its worker).
     Close,
 }
@@ -85,6 +99,7 @@ struct Conn {
 struct Worker {
     conn: u64,
     metrics: WorkerMetrics,
+    role: WorkerRole,
 }
 
 /// What a request needs to be placed again.
@@ -110,7 +125,14 @@ struct Counters {
 }
 
 struct State {
+    /// The router over the workers that decode (aggregated and decode workers).
     router: Router,
+    /// The router over the prefill workers.
+    prefill: Router,
+    /// Decode workers' KV peers, for the prefill workers.
+    peers: HashMap<WorkerId, KvPeer>,
+    /// Whether a prefill worker ever joined (then `/metrics` shows disaggregation).
+    seen_prefill: bool,
     workers: HashMap<WorkerId, Worker>,
     conns: HashMap<u64, Conn>,
     inflight: HashMap<RequestId, Inflight>,
@@ -124,6 +146,8 @@ struct Shared {
     state: Mutex<State>,
     start: Instant,
     next_conn: AtomicU64,
+    disagg: DisaggConfig,
+    counters: DisaggCounters,
 }
 
 /// Remote workers as one dispatcher.
@@ -144,14 +168,31 @@ impl RemotePlane {
         router: RouterConfig,
         listener: TcpListener,
     ) -> Result<Arc<Self>, PlaneError> {
+        Self::with_disagg(cfg, router, DisaggConfig::default(), listener)
+    }
+
+    /// As [`RemotePlane::start`], running requests disaggregated as `disagg` says when
+    /// prefill workers join.
+    pub fn with_disagg(
+        cfg: RemotePlaneConfig,
+        router: RouterConfig,
+        disagg: DisaggConfig,
+        listener: TcpListener,
+    ) -> Result<Arc<Self>, PlaneError> {
         let block_size = router.block_size;
+        let prefill = Router::new(router.clone())?;
         let router = Router::new(router)?;
         let max_attempts = cfg.max_attempts.max(1);
         let shared = Arc::new(Shared {
             cfg,
             block_size,
+            disagg,
+            counters: DisaggCounters::default(),
             state: Mutex::new(State {
                 router,
+                prefill,
+                peers: HashMap::new(),
+                seen_prefill: false,
                 workers: HashMap::new(),
                 conns: HashMap::new(),
                 inflight: HashMap::new(),
@@ -184,6 +225,32 @@ impl Shared {
 }
 
 impl State {
+    /// The router that holds worker `w`.
+    fn router_of(&mut self, w: WorkerId) -> &mut Router {
+        match self.workers.get(&w).map(|x| x.role) {
+            Some(WorkerRole::Prefill) => &mut self.prefill,
+            _ => &mut self.router,
+        }
+    }
+
+    /// Whether requests can run disaggregated (prefill and decode workers are there).
+    fn disaggregates(&self) -> bool {
+        let has = |r: WorkerRole| self.workers.values().any(|w| w.role == r);
+        has(WorkerRole::Prefill) && has(WorkerRole::Decode)
+    }
+
+    /// Sends frame `d` to every connection hosting a prefill worker.
+    fn to_prefill_conns(&self, d: impl Fn() -> Down) {
+        for (id, c) in &self.conns {
+            let hosts_prefill = c.workers.iter().any(|w| {
+                self.workers.get(w).is_some_and(|x| x.conn == *id && x.role == WorkerRole::Prefill)
+            });
+            if hosts_prefill {
+                let _ = c.tx.try_send(d());
+            }
+        }
+    }
+
     /// Places `req` on a worker not in `exclude` — the router's choice first, then the others
     /// by cost — and sends it there. Returns the worker.
     fn place(
@@ -298,6 +365,9 @@ impl State {
                     self.send(w, Down::Cancel(Cancel { worker_id: w, id }));
                 }
             }
+            Output::Kv(note) if !matches!(note, KvNote::Sent(_)) => {
+                let _ = f.client.send(Output::Kv(note));
+            }
             Output::Error { class, message }
                 if f.retry.is_some()
                     && matches!(class, ErrorClass::Overloaded | ErrorClass::Unavailable) =>
@@ -362,11 +432,35 @@ impl State {
             }
             None => {}
         }
-        self.router.add_worker(w);
-        self.workers.insert(w, Worker { conn, metrics: WorkerMetrics::default() });
+        let role = r.role;
+        match role {
+            WorkerRole::Prefill => self.prefill.add_worker(w),
+            _ => self.router.add_worker(w),
+        };
+        self.seen_prefill |= role == WorkerRole::Prefill;
+        self.workers.insert(w, Worker { conn, metrics: WorkerMetrics::default(), role });
         if let Some(c) = self.conns.get_mut(&conn) {
             c.workers.push(w);
-            tracing::info!(worker = w, peer = %c.peer, kv_blocks = r.kv_blocks, "worker joined");
+            tracing::info!(
+                worker = w,
+                peer = %c.peer,
+                kv_blocks = r.kv_blocks,
+                role = role.name(),
+                "worker joined"
+            );
+        }
+        match (role, r.kv_peer) {
+            (WorkerRole::Decode, Some(p)) => {
+                self.peers.insert(w, p.clone());
+                self.to_prefill_conns(|| Down::Peers(Peers { peers: vec![(w, p.clone())] }));
+            }
+            (WorkerRole::Prefill, _) if !self.peers.is_empty() => {
+                let peers = self.peers.iter().map(|(&w, p)| (w, p.clone())).collect();
+                if let Some(c) = self.conns.get(&conn) {
+                    let _ = c.tx.try_send(Down::Peers(Peers { peers }));
+                }
+            }
+            _ => {}
         }
     }
 
@@ -376,8 +470,9 @@ impl State {
         let mut dead = Vec::new();
         for w in c.workers {
             if self.workers.get(&w).is_some_and(|x| x.conn == conn) {
+                self.router_of(w).remove_worker(w);
                 self.workers.remove(&w);
-                self.router.remove_worker(w);
+                self.peers.remove(&w);
                 dead.push(w);
             }
         }
@@ -413,11 +508,72 @@ impl State {
     }
 }
 
+impl RemotePlane {
+    /// Runs `req` disaggregated when that is worth it; `None` when it is not (or cannot be).
+    fn submit_disagg(
+        &self,
+        req: &GenerateRequest,
+        blocks: &RequestBlocks,
+    ) -> Option<Result<UnboundedReceiver<Output>, DispatchError>> {
+        let s = &self.shared;
+        let mut st = s.lock();
+        if req.kv != KvRole::Local || !st.disaggregates() {
+            return None;
+        }
+        let t0 = Instant::now();
+        let d = st.router.select(blocks);
+        st.router.record_decision_latency(t0.elapsed());
+        let d = d.ok()?;
+        let uncached = req.prompt.len().saturating_sub(d.overlap_blocks as usize * s.block_size);
+        let queued: usize = st
+            .workers
+            .values()
+            .filter(|w| w.role == WorkerRole::Prefill)
+            .map(|w| w.metrics.load.queued_prefill_tokens as usize)
+            .sum();
+        let why = if uncached < s.disagg.min_tokens {
+            Some(Local::Short)
+        } else if queued >= s.disagg.max_prefill_queue {
+            Some(Local::Busy)
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            s.counters.local(why);
+            return None;
+        }
+        let mut d_req = req.clone();
+        d_req.kv = KvRole::AwaitKv;
+        let (tx, d_rx) = output_channel();
+        if !st.send_submit(d.worker, &d_req) {
+            return None;
+        }
+        let now = s.now();
+        let _ = st.router.add_request(req.id, d.worker, blocks, d.overlap_blocks, now);
+        // The decode worker will not compute the prompt: no prefill load there.
+        st.router.mark_prefill_done(req.id);
+        st.inflight
+            .insert(req.id, Inflight { worker: d.worker, client: tx, retry: None, attempts: 1 });
+        drop(st);
+        let (client, rx) = output_channel();
+        tokio::spawn(disagg::relay(s.clone(), s.disagg, req.clone(), d.worker, d_rx, client));
+        Some(Ok(rx))
+    }
+
+    /// The plane's counters of disaggregated serving.
+    pub fn disagg_counters(&self) -> &DisaggCounters {
+        &self.shared.counters
+    }
+}
+
 impl Dispatcher for RemotePlane {
     fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Output>, DispatchError> {
         let s = &self.shared;
         let seed = seed_for(req.salt.as_deref(), None);
         let blocks = RequestBlocks::from_tokens(&req.prompt, s.block_size, seed);
+        if let Some(r) = self.submit_disagg(&req, &blocks) {
+            return r;
+        }
         let now = s.now();
         let (tx, rx) = output_channel();
         let mut st = s.lock();
@@ -460,6 +616,79 @@ impl Dispatcher for RemotePlane {
         m.push(("plane_requests_placed_again_total", st.counters.placed_again as f64));
         m.push(("plane_requests_failed_worker_lost_total", st.counters.failed_worker_lost as f64));
         m.push(("plane_workers_lost_total", st.counters.workers_lost as f64));
+        if st.seen_prefill {
+            m.extend(self.shared.counters.metrics());
+            let queued: u32 = st
+                .workers
+                .values()
+                .filter(|w| w.role == WorkerRole::Prefill)
+                .map(|w| w.metrics.load.queued_prefill_tokens)
+                .sum();
+            m.push(("disagg_prefill_queue_tokens", f64::from(queued)));
+        }
         m
+    }
+}
+
+impl Legs for Shared {
+    fn submit_to(
+        &self,
+        w: WorkerId,
+        req: GenerateRequest,
+    ) -> Result<UnboundedReceiver<Output>, DispatchError> {
+        let (tx, rx) = output_channel();
+        let mut st = self.lock();
+        let id = req.id;
+        if !st.send_submit(w, &req) {
+            return Err(DispatchError::Overloaded(format!("worker {w} cannot take it")));
+        }
+        st.inflight.insert(id, Inflight { worker: w, client: tx, retry: None, attempts: 1 });
+        Ok(rx)
+    }
+
+    fn kv_ready(&self, w: WorkerId, id: RequestId, arrived: bool) -> bool {
+        let st = self.lock();
+        let Some(c) = st.workers.get(&w).and_then(|x| st.conns.get(&x.conn)) else {
+            return true; // gone: its requests fail on their own
+        };
+        c.tx.try_send(Down::KvReady(KvReady { worker_id: w, id, arrived })).is_ok()
+    }
+
+    fn cancel_on(&self, w: WorkerId, id: RequestId) {
+        let mut st = self.lock();
+        if st.inflight.get(&id).is_some_and(|f| f.worker == w) {
+            st.inflight.remove(&id);
+        }
+        st.send(w, Down::Cancel(Cancel { worker_id: w, id }));
+    }
+
+    fn pick_prefill(
+        &self,
+        leg: RequestId,
+        req: &GenerateRequest,
+        exclude: &[WorkerId],
+    ) -> Option<WorkerId> {
+        let seed = seed_for(req.salt.as_deref(), None);
+        let blocks = RequestBlocks::from_tokens(&req.prompt, self.block_size, seed);
+        let now = self.now();
+        let st = &mut *self.lock();
+        let (workers, prefill) = (&st.workers, &mut st.prefill);
+        feed::pick(prefill, leg, &blocks, exclude, |w| workers.contains_key(&w), now)
+    }
+
+    fn prefill_ended(&self, leg: RequestId) {
+        let mut st = self.lock();
+        st.prefill.free(leg);
+        st.inflight.remove(&leg);
+    }
+
+    fn decode_ended(&self, id: RequestId) {
+        let mut st = self.lock();
+        st.router.free(id);
+        st.inflight.remove(&id);
+    }
+
+    fn counters(&self) -> &DisaggCounters {
+        &self.counters
     }
 }

@@ -124,6 +124,8 @@ fn encode(d: Down, buf: &mut Vec<u8>) -> bool {
         Down::Submit(s) => put(kind::SUBMIT, &*s, buf),
         Down::Cancel(c) => put(kind::CANCEL, &c, buf),
         Down::Snapshot(w) => put(kind::SNAPSHOT_REQUEST, &SnapshotRequest { worker_id: w }, buf),
+        Down::Peers(p) => put(kind::PEERS, &p, buf),
+        Down::KvReady(r) => put(kind::KV_READY, &r, buf),
         Down::Close => return true,
     }
     false
@@ -203,7 +205,7 @@ fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
             for ev in &k.events {
                 if st.owns(conn, ev.worker_id) {
                     // A gap marks the worker for a resync, which the maintenance task asks for.
-                    let _ = feed::apply_kv(&mut st.router, ev);
+                    let _ = feed::apply_kv(st.router_of(ev.worker_id), ev);
                 }
             }
         }
@@ -211,23 +213,28 @@ fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
             if st.inflight.get(&n.id).is_some_and(|f| f.worker == n.worker_id) {
                 match n.note {
                     NoteKind::FirstToken => {
-                        st.router.mark_prefill_done(n.id);
+                        st.router_of(n.worker_id).mark_prefill_done(n.id);
                     }
                     NoteKind::Finished => {
-                        st.router.free(n.id);
+                        st.router_of(n.worker_id).free(n.id);
                     }
                 }
             }
         }
         Up::Snapshot(s) => {
             if st.owns(conn, s.worker_id) {
-                feed::resync_from(&mut st.router, s.worker_id, s.last_event_id, s.blocks);
+                feed::resync_from(
+                    st.router_of(s.worker_id),
+                    s.worker_id,
+                    s.last_event_id,
+                    s.blocks,
+                );
             }
         }
         Up::Load(l) => {
             let w = l.metrics.load.worker_id;
             if st.owns(conn, w) {
-                st.router.apply_load(&l.metrics.load);
+                st.router_of(w).apply_load(&l.metrics.load);
                 if let Some(x) = st.workers.get_mut(&w) {
                     x.metrics = l.metrics;
                 }
@@ -243,7 +250,9 @@ pub(super) async fn maintenance(shared: Arc<Shared>) {
         tick.tick().await;
         let now = shared.now();
         let mut st = shared.lock();
-        for w in feed::maintain(&mut st.router, now) {
+        let mut resync = feed::maintain(&mut st.router, now);
+        resync.extend(feed::maintain(&mut st.prefill, now));
+        for w in resync {
             st.send(w, Down::Snapshot(w));
         }
     }

@@ -14,7 +14,7 @@ use kvx_worker::ModelMeta;
 
 use super::Runtime;
 use super::http_opts::{HttpOpts, created_now, shutdown_signal};
-use super::router_opts::RouterOpts;
+use super::router_opts::{DisaggOpts, RouterOpts};
 use super::worker::PlaneOpts;
 
 #[derive(Debug, Args)]
@@ -41,6 +41,8 @@ pub(crate) struct FrontendArgs {
     max_attempts: u32,
     #[command(flatten)]
     router: RouterOpts,
+    #[command(flatten)]
+    disagg: DisaggOpts,
     #[command(flatten)]
     plane: PlaneOpts,
 }
@@ -72,7 +74,7 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
             .await
             .with_context(|| format!("listening for workers on {}", args.worker_listen))?;
         let worker_addr = listener.local_addr()?;
-        let plane = RemotePlane::start(remote, router, listener)?;
+        let plane = RemotePlane::with_disagg(remote, router, args.disagg.config(), listener)?;
         for w in &args.workers {
             plane.dial(w.clone());
         }

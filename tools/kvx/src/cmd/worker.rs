@@ -9,12 +9,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use kvx_proto::plane::WorkerRole;
 use kvx_worker::remote::Link;
 use kvx_worker::{EngineKind, MockerSetup, RemoteConfig};
 
 use super::Runtime;
 use super::engine::EngineOpts;
 use super::http_opts::{served_name, shutdown_signal};
+use super::router_opts::DisaggOpts;
 
 /// What computes tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -24,6 +26,17 @@ pub(crate) enum WorkerEngine {
     /// Mock engines: the real scheduler and KV blocks with Dynamo's mocker timing model, no
     /// tokenizer and a tiny vocabulary (the frontend tokenizes; outputs carry ` t<id>` text).
     Mocker,
+}
+
+/// A worker's role on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum RoleArg {
+    /// Prefill and decode.
+    Agg,
+    /// Prompts only.
+    Prefill,
+    /// Decode, with prompts' KV from prefill workers.
+    Decode,
 }
 
 /// Heartbeat flags, shared by `frontend` and `worker`.
@@ -64,6 +77,16 @@ pub(crate) struct WorkerArgs {
     /// What computes tokens.
     #[arg(long, value_enum, env = "KVX_ENGINE", default_value = "model")]
     engine: WorkerEngine,
+    /// This worker's part in disaggregated serving: `agg` (prefill and decode), `prefill`
+    /// (prompts only; their KV goes to decode workers) or `decode`.
+    #[arg(long, value_enum, env = "KVX_ROLE", default_value = "agg")]
+    role: RoleArg,
+    /// Address the KV transfer agent of prefill and decode workers listens on, for peers on
+    /// other hosts (same-host peers use shared memory).
+    #[arg(long, env = "KVX_KV_LISTEN", default_value = "127.0.0.1:0")]
+    kv_listen: SocketAddr,
+    #[command(flatten)]
+    disagg: DisaggOpts,
     /// Engines (workers) this process hosts.
     #[arg(long, visible_alias = "mock-workers", env = "KVX_SHARDS", default_value_t = 1)]
     shards: usize,
@@ -118,6 +141,13 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
     setup.threads_per_engine = args.threads_per_shard.max(1);
     setup.first_worker_id = args.worker_id.unwrap_or_else(random_base);
     setup.pin = true;
+    let role = match args.role {
+        RoleArg::Agg => WorkerRole::Agg,
+        RoleArg::Prefill => WorkerRole::Prefill,
+        RoleArg::Decode => WorkerRole::Decode,
+    };
+    setup.roles = vec![role; setup.engines];
+    setup.kv_link = args.disagg.link(Some(args.kv_listen));
     setup.mocker = MockerSetup {
         speedup: args.speedup_ratio,
         blocks: Some(args.mocker_blocks),
@@ -155,8 +185,9 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
             (None, None) => bail!("give --frontend ADDR or --listen ADDR"),
         };
         say(&format!(
-            "kvx: worker serving {name} with {n} {} engine(s), worker ids {first}..={}",
+            "kvx: worker serving {name} with {n} {} engine(s) ({} role), worker ids {first}..={}",
             kind.name(),
+            role.name(),
             first + n as u64 - 1,
         ));
         tokio::spawn(async move {
