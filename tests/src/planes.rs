@@ -131,6 +131,24 @@ impl Worker {
         Self::start(&a, false)
     }
 
+    /// `kvx worker --frontend ADDR --engine model --model $KVX_TEST_MODEL --worker-id ID ARGS`.
+    pub fn model(frontend: &str, worker_id: u64, args: &[&str]) -> Worker {
+        let (id, model) = (worker_id.to_string(), test_model().to_string_lossy().into_owned());
+        let mut a = vec![
+            "worker",
+            "--frontend",
+            frontend,
+            "--engine",
+            "model",
+            "--model",
+            &model,
+            "--worker-id",
+            &id,
+        ];
+        a.extend_from_slice(args);
+        Self::start(&a, false)
+    }
+
     /// `kvx worker --listen 127.0.0.1:0 --engine mocker --worker-id ID ARGS`.
     pub fn mocker_listening(worker_id: u64, args: &[&str]) -> Worker {
         let id = worker_id.to_string();
