@@ -14,7 +14,19 @@ pub const FAST_HEARTBEAT: [&str; 4] = ["--heartbeat-ms", "200", "--heartbeat-tim
 
 /// Spawns `kvx ARGS` with stdout piped into a channel of lines.
 fn spawn(args: &[String]) -> (Child, Receiver<String>) {
-    let mut cmd = Command::new(kvx_bin());
+    spawn_in(None, args)
+}
+
+/// Spawns `kvx ARGS`, in network namespace `ns` when given (`ip netns exec`).
+fn spawn_in(ns: Option<&str>, args: &[String]) -> (Child, Receiver<String>) {
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(kvx_bin());
+            c
+        }
+        None => Command::new(kvx_bin()),
+    };
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
     if let Some(home) = std::env::var_os("KVX_HOME") {
         cmd.env("KVX_HOME", home);
@@ -74,15 +86,22 @@ impl Endpoint for Frontend {
 impl Frontend {
     /// `kvx frontend --port 0 --worker-listen 127.0.0.1:0 --model $KVX_TEST_MODEL ARGS`.
     pub fn start(args: &[&str]) -> Frontend {
+        Self::start_in(None, "127.0.0.1", args)
+    }
+
+    /// As [`Frontend::start`], in network namespace `ns` (when given), on address `ip`.
+    pub fn start_in(ns: Option<&str>, ip: &str, args: &[&str]) -> Frontend {
         let model = test_model();
-        let mut a: Vec<String> = ["frontend", "--port", "0", "--worker-listen", "127.0.0.1:0"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let listen = format!("{ip}:0");
+        let mut a: Vec<String> =
+            ["frontend", "--host", ip, "--port", "0", "--worker-listen", &listen]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
         a.push("--model".into());
         a.push(model.to_string_lossy().into_owned());
         a.extend(args.iter().map(|s| s.to_string()));
-        let (mut child, rx) = spawn(&a);
+        let (mut child, rx) = spawn_in(ns, &a);
         let workers = wait_line(&mut child, &rx, "workers join at ");
         let addr = wait_line(&mut child, &rx, "listening on http://");
         Frontend { child, addr, workers }
@@ -133,20 +152,16 @@ impl Worker {
 
     /// `kvx worker --frontend ADDR --engine model --model $KVX_TEST_MODEL --worker-id ID ARGS`.
     pub fn model(frontend: &str, worker_id: u64, args: &[&str]) -> Worker {
+        Self::model_in(None, frontend, worker_id, args)
+    }
+
+    /// As [`Worker::model`], in network namespace `ns` when given.
+    pub fn model_in(ns: Option<&str>, frontend: &str, worker_id: u64, args: &[&str]) -> Worker {
         let (id, model) = (worker_id.to_string(), test_model().to_string_lossy().into_owned());
-        let mut a = vec![
-            "worker",
-            "--frontend",
-            frontend,
-            "--engine",
-            "model",
-            "--model",
-            &model,
-            "--worker-id",
-            &id,
-        ];
+        let mut a = vec!["worker", "--frontend", frontend, "--engine", "model", "--model"];
+        a.extend([model.as_str(), "--worker-id", &id]);
         a.extend_from_slice(args);
-        Self::start(&a, false)
+        Self::start_in(ns, &a, false)
     }
 
     /// `kvx worker --listen 127.0.0.1:0 --engine mocker --worker-id ID ARGS`.
@@ -159,8 +174,12 @@ impl Worker {
     }
 
     fn start(args: &[&str], listening: bool) -> Worker {
+        Self::start_in(None, args, listening)
+    }
+
+    fn start_in(ns: Option<&str>, args: &[&str], listening: bool) -> Worker {
         let a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let (mut child, rx) = spawn(&a);
+        let (mut child, rx) = spawn_in(ns, &a);
         let listen = listening.then(|| wait_line(&mut child, &rx, "listening for a frontend at "));
         wait_line(&mut child, &rx, "kvx: worker serving");
         Worker { child, listen }

@@ -127,3 +127,47 @@ fn a_killed_prefill_worker_loses_no_request_and_no_block() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// Frontend, prefill worker and decode worker on three hosts (network namespaces joined by
+/// veth pairs): the KV moves over TCP, and the tokens are still those of an aggregated
+/// server.
+#[test]
+fn across_hosts_the_kv_moves_over_tcp_and_the_tokens_stay() {
+    let prompts: Vec<Vec<u32>> =
+        [90, 700, 1500].iter().enumerate().map(|(i, &l)| prompt(l, 10 + i as u32)).collect();
+    let agg = Served::start(&["--engine", "model", "--shards", "1"]);
+    let want: Vec<Value> = prompts.iter().map(|p| complete(&agg.addr, p, 8)).collect();
+    drop(agg);
+    let hosts = kvx_e2e::netns::Hosts::new(3);
+    let f = Frontend::start_in(
+        Some(hosts.ns(0)),
+        hosts.addr(0),
+        &args(&[&["--disagg-min-tokens", "0"], &FAST_HEARTBEAT]),
+    );
+    let kv = |i: usize| format!("{}:0", hosts.addr(i));
+    let (d_kv, p_kv) = (kv(2), kv(1));
+    let _d = Worker::model_in(
+        Some(hosts.ns(2)),
+        &f.workers,
+        100,
+        &args(&[&["--role", "decode", "--kv-listen", &d_kv], &FAST_HEARTBEAT]),
+    );
+    let _p = Worker::model_in(
+        Some(hosts.ns(1)),
+        &f.workers,
+        200,
+        &args(&[&["--role", "prefill", "--kv-listen", &p_kv], &FAST_HEARTBEAT]),
+    );
+    f.wait_workers(2);
+    for (i, (p, want)) in prompts.iter().zip(&want).enumerate() {
+        assert_eq!(&complete(&f.addr, p, 8), want, "prompt {i} ({} tokens)", p.len());
+    }
+    assert_eq!(f.metric("kvx_router_disagg_remote_prefills_total"), Some(3.0));
+    let bytes = f.metric("kvx_router_kv_transfer_bytes_total").unwrap_or(0.0);
+    let secs = f.metric("kvx_router_kv_transfer_seconds_sum").unwrap_or(0.0);
+    eprintln!(
+        "KV over TCP across hosts: {bytes} bytes in {secs} s ({:.0} MB/s)",
+        bytes / secs / 1e6
+    );
+    assert!(bytes > 0.0);
+}
