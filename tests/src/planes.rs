@@ -12,12 +12,8 @@ use crate::{kvx_bin, test_model};
 /// Heartbeat flags that make lost workers visible within about a second.
 pub const FAST_HEARTBEAT: [&str; 4] = ["--heartbeat-ms", "200", "--heartbeat-timeout-ms", "1000"];
 
-/// Spawns `kvx ARGS` with stdout piped into a channel of lines.
-fn spawn(args: &[String]) -> (Child, Receiver<String>) {
-    spawn_in(None, args)
-}
-
-/// Spawns `kvx ARGS`, in network namespace `ns` when given (`ip netns exec`).
+/// Spawns `kvx ARGS` with stdout piped into a channel of lines, in network namespace `ns`
+/// when given (`ip netns exec`).
 fn spawn_in(ns: Option<&str>, args: &[String]) -> (Child, Receiver<String>) {
     let mut cmd = match ns {
         Some(ns) => {
