@@ -30,7 +30,7 @@ pub enum BenchError {
     /// The tokenizer could not be loaded or failed on a text.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// The async runtime could not be started.
+    /// The async runtime could not be started, or one of its tasks failed.
     #[error("runtime: {0}")]
     Runtime(std::io::Error),
     /// A report could not be serialized.

@@ -1,4 +1,5 @@
-//! Per-level aggregation of request outcomes into hdrhistogram distributions and counters.
+//! Per-level aggregation of request outcomes into hdrhistogram distributions and counters,
+//! overall and per request class.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -7,9 +8,10 @@ use hdrhistogram::Histogram;
 
 use crate::client::{ErrorClass, Outcome};
 use crate::report::{
-    Cdfs, ClientStats, Counts, Latencies, Level, RequestRecord, RunReport, Slo, Stats, Throughput,
-    Tokens,
+    Cdfs, ClassReport, ClientStats, Counts, Latencies, Level, RequestRecord, RunReport, Slo, Stats,
+    Throughput, Tokens,
 };
+use crate::workload::RequestClass;
 
 /// Latencies are recorded in nanoseconds from 1 ns to one hour, 3 significant digits.
 const MAX_NS: u64 = 3_600_000_000_000;
@@ -44,6 +46,8 @@ pub struct Finished<'a> {
     pub conversation: usize,
     /// Turn index.
     pub turn: usize,
+    /// Class of a mixed-workload request, whose figures are also kept apart.
+    pub class: Option<RequestClass>,
 }
 
 /// Accumulates one level.
@@ -74,6 +78,7 @@ pub struct Collector {
     records: Vec<RequestRecord>,
     records_dropped: u64,
     resent: u64,
+    classes: BTreeMap<RequestClass, Collector>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -109,11 +114,17 @@ impl Collector {
             records: Vec::new(),
             records_dropped: 0,
             resent: 0,
+            classes: BTreeMap::new(),
         }
     }
 
     /// Adds one request.
     pub fn add(&mut self, f: &Finished<'_>) {
+        if let Some(class) = f.class {
+            let (t0, slo) = (self.t0, self.slo);
+            let sub = self.classes.entry(class).or_insert_with(|| Collector::new(t0, slo, false));
+            sub.add(&Finished { class: None, ..*f });
+        }
         let o = f.outcome;
         self.resent += u64::from(o.resent);
         self.first_start = Some(self.first_start.map_or(o.start, |s| s.min(o.start)));
@@ -137,6 +148,7 @@ impl Collector {
                     server_prompt_tokens: usage.and_then(|u| u.prompt_tokens),
                     cached_tokens: usage.and_then(|u| u.cached_tokens()),
                     error: o.error,
+                    class: f.class,
                 });
             } else {
                 self.records_dropped += 1;
@@ -195,14 +207,41 @@ impl Collector {
             (Some(s), Some(e)) => e.duration_since(s).as_secs_f64(),
             _ => 0.0,
         };
-        let per_s = |n: u64| if duration > 0.0 { n as f64 / duration } else { 0.0 };
-        let sent = self.completed + self.failed;
-        let has_slo = self.slo.ttft_ms.is_some() || self.slo.itl_ms.is_some();
+        let all = self.summary(duration);
+        // Rates of a class are over the whole level, so the classes' rates add up.
+        let classes = self.classes.iter().map(|(k, c)| (k.to_string(), c.summary(duration)));
         RunReport {
             level,
             duration_s: duration,
-            requests: Counts { sent, completed: self.completed, failed: self.failed },
+            requests: all.requests,
             errors: self.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            throughput: all.throughput,
+            latency_ms: all.latency_ms,
+            tokens: all.tokens,
+            client: ClientStats {
+                schedule_lag_ms: stats(&self.lag, 1e6),
+                peak_in_flight,
+                records_dropped: self.records_dropped,
+                resent: self.resent,
+            },
+            cdf_ms: Cdfs {
+                ttft: cdf(&self.ttft),
+                itl: cdf(&self.itl),
+                tpot: cdf(&self.tpot),
+                e2e: cdf(&self.e2e),
+            },
+            classes: classes.collect(),
+            request_records: self.records,
+        }
+    }
+
+    /// Counts, rates over `duration` seconds, latencies and tokens of what was added.
+    fn summary(&self, duration: f64) -> ClassReport {
+        let per_s = |n: u64| if duration > 0.0 { n as f64 / duration } else { 0.0 };
+        let sent = self.completed + self.failed;
+        let has_slo = self.slo.ttft_ms.is_some() || self.slo.itl_ms.is_some();
+        ClassReport {
+            requests: Counts { sent, completed: self.completed, failed: self.failed },
             throughput: Throughput {
                 requests_per_s: per_s(self.completed),
                 output_tokens_per_s: per_s(self.output_total),
@@ -226,19 +265,6 @@ impl Collector {
                 cache_hit_ratio: (self.cache_prompt > 0)
                     .then(|| self.cache_hit as f64 / self.cache_prompt as f64),
             },
-            client: ClientStats {
-                schedule_lag_ms: stats(&self.lag, 1e6),
-                peak_in_flight,
-                records_dropped: self.records_dropped,
-                resent: self.resent,
-            },
-            cdf_ms: Cdfs {
-                ttft: cdf(&self.ttft),
-                itl: cdf(&self.itl),
-                tpot: cdf(&self.tpot),
-                e2e: cdf(&self.e2e),
-            },
-            request_records: self.records,
         }
     }
 }
@@ -317,6 +343,7 @@ mod tests {
                 lag: None,
                 conversation: i as usize,
                 turn: 0,
+                class: None,
             });
         }
         let mut failed = outcome(t0, 50, None, 5);
@@ -329,6 +356,7 @@ mod tests {
             lag: None,
             conversation: 99,
             turn: 0,
+            class: None,
         });
         let r = c.finish(level(), 3);
         assert_eq!(r.requests, Counts { sent: 11, completed: 10, failed: 1 });
@@ -372,6 +400,7 @@ mod tests {
                 lag: Some(Duration::from_micros(5)),
                 conversation: i,
                 turn: 0,
+                class: None,
             });
         }
         let r = c.finish(level(), 1);
@@ -381,5 +410,75 @@ mod tests {
         assert!(r.throughput.goodput_requests_per_s.is_none());
         assert!(r.request_records.is_empty());
         assert_eq!(r.client.schedule_lag_ms.unwrap().count, 3);
+    }
+
+    #[test]
+    fn classes_are_aggregated_apart_and_survive_json() {
+        let t0 = Instant::now();
+        let mut c = Collector::new(t0, Slo::default(), true);
+        // Four stream requests of 10 tokens (9 gaps of 2 ms) and one burst of 2 tokens (one
+        // gap of 50 ms), over 1 s in all.
+        for i in 0..5u64 {
+            let burst = i == 2;
+            let (class, ttft, tokens, gaps) = if burst {
+                (RequestClass::Burst, 100, 2, vec![50_000_000])
+            } else {
+                (RequestClass::Stream, 5, 10, vec![2_000_000; 9])
+            };
+            let o = outcome(t0, i * 200, Some(ttft), 200);
+            c.add(&Finished {
+                outcome: &o,
+                gaps: &gaps,
+                input_tokens: if burst { 300 } else { 16 },
+                output_tokens: tokens,
+                lag: None,
+                conversation: i as usize,
+                turn: 0,
+                class: Some(class),
+            });
+        }
+        let r = c.finish(level(), 2);
+        assert_eq!(r.classes.keys().collect::<Vec<_>>(), ["burst", "stream"]);
+        let (s, b) = (&r.classes["stream"], &r.classes["burst"]);
+        assert_eq!((s.requests.completed, b.requests.completed), (4, 1));
+        assert_eq!(s.latency_ms.itl.unwrap().count, 36);
+        assert_eq!(b.latency_ms.itl.unwrap().count, 1);
+        assert_eq!(r.latency_ms.itl.unwrap().count, 37, "the overall figures hold both");
+        assert!((b.latency_ms.itl.unwrap().max - 50.0).abs() < 0.1);
+        assert!((s.latency_ms.itl.unwrap().max - 2.0).abs() < 0.01);
+        assert!((s.latency_ms.ttft.unwrap().p99 - 5.0).abs() < 0.01);
+        assert!((b.latency_ms.ttft.unwrap().p50 - 100.0).abs() < 0.1);
+        // Rates are over the level's second, so they add up.
+        assert!((s.throughput.output_tokens_per_s - 40.0).abs() < 1e-6);
+        assert!((b.throughput.output_tokens_per_s - 2.0).abs() < 1e-6);
+        assert!((r.throughput.output_tokens_per_s - 42.0).abs() < 1e-6);
+        assert_eq!((s.tokens.input_total, b.tokens.input_total), (64, 300));
+        assert_eq!(r.request_records[2].class, Some(RequestClass::Burst));
+
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["classes"]["burst"]["requests"]["completed"], 1);
+        assert_eq!(json["classes"]["stream"]["latency_ms"]["itl"]["count"], 36);
+        assert_eq!(json["request_records"][2]["class"], "burst");
+        let back: RunReport = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
+
+        // Without classes neither field is written, and a run without them reads back.
+        let mut plain = Collector::new(t0, Slo::default(), true);
+        let o = outcome(t0, 0, Some(1), 2);
+        plain.add(&Finished {
+            outcome: &o,
+            gaps: &[],
+            input_tokens: 1,
+            output_tokens: 1,
+            lag: None,
+            conversation: 0,
+            turn: 0,
+            class: None,
+        });
+        let json = serde_json::to_value(plain.finish(level(), 1)).unwrap();
+        assert!(json.get("classes").is_none());
+        assert!(json["request_records"][0].get("class").is_none());
+        let back: RunReport = serde_json::from_value(json).unwrap();
+        assert!(back.classes.is_empty() && back.request_records[0].class.is_none());
     }
 }

@@ -1,25 +1,27 @@
 //! Load generation: closed loop at a concurrency, open loop at a Poisson rate or at a trace's
-//! timestamps; sweeps over levels, warm-up, bounds by request count or duration.
+//! timestamps, or the mixed workload's streams and bursts; sweeps over levels, warm-up, bounds
+//! by request count or duration.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Exp};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::BenchError;
-use crate::client::{Client, Scratch};
+use crate::client::{Client, Outcome, Scratch};
 use crate::metrics::{Collector, Finished};
 use crate::prompt::PromptSynth;
 use crate::report::{Level, LoadInfo, Report, RunReport, SCHEMA, Slo, Target, WorkloadInfo};
 use crate::request::{BodyBuilder, EndpointConfig, Role};
 use crate::tokenizer::{TokenCodec, TokenizerSpec};
-use crate::workload::{Conversation, Dataset, WorkloadConfig};
+use crate::workload::{Conversation, Dataset, RequestClass, Turn, WorkloadConfig};
 
 /// How load is offered. Each value in the list is one level of a sweep, run in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,16 +41,24 @@ pub enum LoadConfig {
         /// Speed factor per level (2.0 replays twice as fast).
         speeds: Vec<f64>,
     },
+    /// The load the mixed workload describes itself (its closed-loop streams and periodic
+    /// bursts), as one level; for that workload only.
+    Mixed,
 }
 
 impl LoadConfig {
-    fn levels(&self) -> Vec<LevelSpec> {
+    /// The levels, in order (the mixed load takes its one level from the workload).
+    fn levels(&self, workload: &WorkloadConfig) -> Vec<LevelSpec> {
         match self {
             Self::Closed { concurrency } => {
                 concurrency.iter().map(|&c| LevelSpec::Concurrency(c)).collect()
             }
             Self::Poisson { rates } => rates.iter().map(|&r| LevelSpec::Rate(r)).collect(),
             Self::Trace { speeds } => speeds.iter().map(|&s| LevelSpec::TraceSpeed(s)).collect(),
+            Self::Mixed => match workload {
+                WorkloadConfig::Mixed { streams, .. } => vec![LevelSpec::Mixed(*streams)],
+                _ => Vec::new(),
+            },
         }
     }
 
@@ -57,6 +67,7 @@ impl LoadConfig {
             Self::Closed { .. } => "closed",
             Self::Poisson { .. } => "poisson",
             Self::Trace { .. } => "trace",
+            Self::Mixed => "mixed",
         }
     }
 }
@@ -66,6 +77,8 @@ enum LevelSpec {
     Concurrency(usize),
     Rate(f64),
     TraceSpeed(f64),
+    /// The mixed workload with this many streams.
+    Mixed(usize),
 }
 
 impl LevelSpec {
@@ -80,6 +93,11 @@ impl LevelSpec {
             Self::TraceSpeed(s) => {
                 Level { mode: "trace_speed".into(), value: s, label: format!("trace x{s}") }
             }
+            Self::Mixed(n) => Level {
+                mode: "mixed".into(),
+                value: n as f64,
+                label: format!("{n} streams + bursts"),
+            },
         }
     }
 }
@@ -105,7 +123,8 @@ pub struct BenchConfig {
     pub tokenizer: TokenizerSpec,
     /// How to send it.
     pub load: LoadConfig,
-    /// Requests per level; `None` means the dataset's size unless `duration` bounds the level.
+    /// Requests per level; `None` means the dataset's size unless `duration` bounds the level
+    /// (the mixed workload, which has no dataset, needs one of the two).
     pub max_requests: Option<u64>,
     /// Time per level after which no new request starts.
     pub duration: Option<Duration>,
@@ -160,13 +179,22 @@ impl Default for BenchConfig {
 
 impl BenchConfig {
     fn validate(&self) -> Result<(), BenchError> {
-        let levels = self.load.levels();
+        let mixed_workload = matches!(self.workload, WorkloadConfig::Mixed { .. });
+        if mixed_workload != (self.load == LoadConfig::Mixed) {
+            return Err(BenchError::config(
+                "the mixed workload runs under the mixed load, and only it does",
+            ));
+        }
+        if mixed_workload && self.max_requests.is_none() && self.duration.is_none() {
+            return Err(BenchError::config("the mixed workload needs a duration or request bound"));
+        }
+        let levels = self.load.levels(&self.workload);
         if levels.is_empty() {
             return Err(BenchError::config("no load level given"));
         }
         for l in levels {
             let ok = match l {
-                LevelSpec::Concurrency(c) => c >= 1,
+                LevelSpec::Concurrency(c) | LevelSpec::Mixed(c) => c >= 1,
                 LevelSpec::Rate(r) | LevelSpec::TraceSpeed(r) => r.is_finite() && r > 0.0,
             };
             if !ok {
@@ -231,10 +259,10 @@ pub async fn run_async(config: &BenchConfig, threads: usize) -> Result<Report, B
         scratch: Mutex::new(Vec::new()),
         dataset,
     });
-    let levels = config.load.levels();
+    let levels = config.load.levels(&config.workload);
     if !ctx.dataset.warmup.is_empty() {
         let c = match levels.first() {
-            Some(LevelSpec::Concurrency(c)) => *c,
+            Some(LevelSpec::Concurrency(c) | LevelSpec::Mixed(c)) => *c,
             _ => 8,
         }
         .min(ctx.dataset.warmup.len());
@@ -254,7 +282,7 @@ pub async fn run_async(config: &BenchConfig, threads: usize) -> Result<Report, B
             (None, Some(_), _) => None,
             (None, None, _) => Some(dataset_requests),
         };
-        runs.push(run_level(&ctx, *spec, i as u64, limit, config.duration).await);
+        runs.push(run_level(&ctx, *spec, i as u64, limit, config.duration).await?);
     }
     Ok(Report {
         schema: SCHEMA.to_string(),
@@ -436,21 +464,29 @@ async fn run_level(
     index: u64,
     limit: Option<u64>,
     duration: Option<Duration>,
-) -> RunReport {
+) -> Result<RunReport, BenchError> {
     let level = spec.level();
     let t0 = Instant::now();
     let st = LevelState::new(ctx, t0, &level.label, limit, duration);
-    match spec {
-        LevelSpec::Concurrency(c) => closed_loop(ctx, &st, c, Which::Measured).await,
-        LevelSpec::Rate(_) | LevelSpec::TraceSpeed(_) => open_loop(ctx, &st, spec, index).await,
-    }
+    let done = match spec {
+        LevelSpec::Concurrency(c) => {
+            closed_loop(ctx, &st, c, Which::Measured).await;
+            Ok(())
+        }
+        LevelSpec::Rate(_) | LevelSpec::TraceSpeed(_) => {
+            open_loop(ctx, &st, spec, index).await;
+            Ok(())
+        }
+        LevelSpec::Mixed(_) => mixed_loop(ctx, &st).await,
+    };
     st.bar.finish_and_clear();
+    done?;
     let peak = st.peak.load(Ordering::Relaxed);
     let collector = {
         let mut guard = st.collector.lock().unwrap_or_else(|e| e.into_inner());
         std::mem::replace(&mut *guard, Collector::new(t0, ctx.slo, false))
     };
-    collector.finish(level, peak)
+    Ok(collector.finish(level, peak))
 }
 
 async fn closed_loop(ctx: &Arc<Ctx>, st: &Arc<LevelState>, concurrency: usize, which: Which) {
@@ -572,18 +608,7 @@ async fn run_conversation(
                 ctx.bodies.body(&msgs, turn.max_tokens)
             }
         };
-        let now = st.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-        st.peak.fetch_max(now, Ordering::Relaxed);
-        let outcome = ctx.client.send(body, scratch, want_text).await;
-        st.in_flight.fetch_sub(1, Ordering::Relaxed);
-        let output_tokens = match outcome.usage.and_then(|u| u.completion_tokens) {
-            Some(n) => n.try_into().unwrap_or(u32::MAX),
-            None if ctx.count_with_tokenizer && !scratch.text.is_empty() => ctx
-                .codec
-                .encode(&scratch.text)
-                .map_or(outcome.content_chunks, |ids| ids.len().try_into().unwrap_or(u32::MAX)),
-            None => outcome.content_chunks,
-        };
+        let (outcome, output_tokens) = exchange(ctx, st, body, scratch, want_text).await;
         let input_tokens = history_tokens.saturating_add(turn.input_tokens);
         st.record(&Finished {
             outcome: &outcome,
@@ -593,6 +618,7 @@ async fn run_conversation(
             lag: if k == 0 { lag } else { None },
             conversation: index,
             turn: k,
+            class: None,
         });
         if outcome.error.is_some() {
             // A failed turn ends its session: later turns would lack the answer.
@@ -608,4 +634,216 @@ async fn run_conversation(
         }
     }
     true
+}
+
+/// Sends one request, counting it in flight; returns what the client saw and the number of
+/// generated tokens (server usage, else counted).
+async fn exchange(
+    ctx: &Ctx,
+    st: &LevelState,
+    body: Bytes,
+    scratch: &mut Scratch,
+    want_text: bool,
+) -> (Outcome, u32) {
+    let now = st.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+    st.peak.fetch_max(now, Ordering::Relaxed);
+    let outcome = ctx.client.send(body, scratch, want_text).await;
+    st.in_flight.fetch_sub(1, Ordering::Relaxed);
+    let output_tokens = match outcome.usage.and_then(|u| u.completion_tokens) {
+        Some(n) => n.try_into().unwrap_or(u32::MAX),
+        None if ctx.count_with_tokenizer && !scratch.text.is_empty() => ctx
+            .codec
+            .encode(&scratch.text)
+            .map_or(outcome.content_chunks, |ids| ids.len().try_into().unwrap_or(u32::MAX)),
+        None => outcome.content_chunks,
+    };
+    (outcome, output_tokens)
+}
+
+/// The first failure of a mixed run's request builders; it ends the level.
+type Failure = Arc<Mutex<Option<BenchError>>>;
+
+fn failed(failure: &Failure) -> bool {
+    failure.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+}
+
+fn fail(failure: &Failure, e: BenchError) {
+    failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+}
+
+/// Builds request `index` of `class` of the mixed workload on the blocking pool, so that
+/// tokenizing a long prompt never holds up the reading of other responses.
+fn prepare(
+    ctx: &Arc<Ctx>,
+    class: RequestClass,
+    index: u64,
+) -> JoinHandle<Result<Turn, BenchError>> {
+    let ctx = ctx.clone();
+    tokio::task::spawn_blocking(move || match &ctx.dataset.mixed {
+        Some(m) => m.request(&ctx.bodies, class, index),
+        None => Err(BenchError::config("not a mixed workload")),
+    })
+}
+
+async fn ready(h: JoinHandle<Result<Turn, BenchError>>) -> Result<Turn, BenchError> {
+    h.await.map_err(|e| BenchError::Runtime(std::io::Error::other(e)))?
+}
+
+/// Sends one request of the mixed workload and records it under its class.
+async fn send_mixed(
+    ctx: &Ctx,
+    st: &LevelState,
+    (turn, class, index): (&Turn, RequestClass, u64),
+    scratch: &mut Scratch,
+    lag: Option<Duration>,
+) {
+    let Some(body) = turn.body.clone() else { return };
+    let (outcome, output_tokens) = exchange(ctx, st, body, scratch, ctx.count_with_tokenizer).await;
+    st.record(&Finished {
+        outcome: &outcome,
+        gaps: &scratch.gaps,
+        input_tokens: turn.input_tokens,
+        output_tokens,
+        lag,
+        conversation: usize::try_from(index).unwrap_or(usize::MAX),
+        turn: 0,
+        class: Some(class),
+    });
+}
+
+/// The mixed workload: its streams, each sending its next request as soon as the last one
+/// ends (built while the last one runs), and a burst at every interval. Bursts are cut by their
+/// scheduled time and the request bound, not by how late the client is.
+async fn mixed_loop(ctx: &Arc<Ctx>, st: &Arc<LevelState>) -> Result<(), BenchError> {
+    let Some(src) = ctx.dataset.mixed.as_ref() else { return Ok(()) };
+    let failure = Failure::default();
+    let next_index = Arc::new(AtomicU64::new(0));
+    let mut streams = JoinSet::new();
+    for _ in 0..src.streams() {
+        let (ctx, st) = (ctx.clone(), st.clone());
+        let (failure, next_index) = (failure.clone(), next_index.clone());
+        streams.spawn(async move {
+            let mut scratch = ctx.take_scratch();
+            let mut index = next_index.fetch_add(1, Ordering::Relaxed);
+            let mut next = prepare(&ctx, RequestClass::Stream, index);
+            while !failed(&failure) && st.claim(true) {
+                let turn = match ready(next).await {
+                    Ok(t) => t,
+                    Err(e) => {
+                        fail(&failure, e);
+                        break;
+                    }
+                };
+                let this = index;
+                index = next_index.fetch_add(1, Ordering::Relaxed);
+                next = prepare(&ctx, RequestClass::Stream, index);
+                let req = (&turn, RequestClass::Stream, this);
+                send_mixed(&ctx, &st, req, &mut scratch, None).await;
+            }
+            ctx.put_scratch(scratch);
+        });
+    }
+    let sem = Arc::new(Semaphore::new(ctx.max_in_flight));
+    let mut bursts = JoinSet::new();
+    let mut streams_left = src.streams();
+    let mut next = prepare(ctx, RequestClass::Burst, 0);
+    for k in 0u64.. {
+        let due = st.t0 + src.burst_due(k);
+        let bounded =
+            st.deadline.is_some_and(|d| due >= d) || st.issued.load(Ordering::Relaxed) >= st.limit;
+        if bounded || failed(&failure) {
+            break;
+        }
+        loop {
+            tokio::select! {
+                biased;
+                () = tokio::time::sleep_until(due.into()) => break,
+                r = streams.join_next(), if streams_left > 0 => {
+                    // Streams end at the bound (or on a failure): stop early if it was that.
+                    streams_left -= 1;
+                    if let Some(Err(e)) = r {
+                        tracing::error!("load task failed: {e}");
+                    }
+                    if st.issued.load(Ordering::Relaxed) >= st.limit || failed(&failure) {
+                        break;
+                    }
+                }
+            }
+        }
+        if failed(&failure) || !st.claim(false) {
+            break;
+        }
+        let turn = match ready(next).await {
+            Ok(t) => t,
+            Err(e) => {
+                fail(&failure, e);
+                break;
+            }
+        };
+        next = prepare(ctx, RequestClass::Burst, k + 1);
+        let Ok(permit) = sem.clone().acquire_owned().await else { break };
+        let lag = Instant::now().saturating_duration_since(due);
+        let (ctx, st) = (ctx.clone(), st.clone());
+        bursts.spawn(async move {
+            let mut scratch = ctx.take_scratch();
+            let req = (&turn, RequestClass::Burst, k);
+            send_mixed(&ctx, &st, req, &mut scratch, Some(lag)).await;
+            ctx.put_scratch(scratch);
+            drop(permit);
+        });
+        while let Some(r) = bursts.try_join_next() {
+            if let Err(e) = r {
+                tracing::error!("load task failed: {e}");
+            }
+        }
+    }
+    for set in [&mut streams, &mut bursts] {
+        while let Some(r) = set.join_next().await {
+            if let Err(e) = r {
+                tracing::error!("load task failed: {e}");
+            }
+        }
+    }
+    let failure = failure.lock().unwrap_or_else(|e| e.into_inner()).take();
+    failure.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LengthDist;
+
+    fn mixed() -> WorkloadConfig {
+        WorkloadConfig::Mixed {
+            streams: 2,
+            input: LengthDist::fixed(8),
+            output: LengthDist::fixed(4),
+            burst_input: LengthDist::fixed(64),
+            burst_output: LengthDist::fixed(2),
+            burst_interval_s: 0.5,
+        }
+    }
+
+    #[test]
+    fn the_mixed_workload_and_the_mixed_load_go_together_with_a_bound() {
+        let ok = BenchConfig {
+            workload: mixed(),
+            load: LoadConfig::Mixed,
+            duration: Some(Duration::from_secs(1)),
+            ..Default::default()
+        };
+        assert!(ok.validate().is_ok());
+        let levels = ok.load.levels(&ok.workload);
+        assert!(matches!(levels[..], [LevelSpec::Mixed(2)]));
+        assert_eq!(levels[0].level().label, "2 streams + bursts");
+        let by_count = BenchConfig { duration: None, max_requests: Some(10), ..ok.clone() };
+        assert!(by_count.validate().is_ok());
+        let unbounded = BenchConfig { duration: None, ..ok.clone() };
+        let closed =
+            BenchConfig { load: LoadConfig::Closed { concurrency: vec![2] }, ..ok.clone() };
+        let not_mixed = BenchConfig { load: LoadConfig::Mixed, ..Default::default() };
+        for bad in [unbounded, closed, not_mixed] {
+            assert!(matches!(bad.validate(), Err(BenchError::Config(_))), "{bad:?}");
+        }
+    }
 }

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
 use crate::dist::LengthDist;
-use crate::prompt::{Prompt, PromptSynth};
+use crate::prompt::{Prompt, PromptSynth, TAG_SPACE};
 use crate::request::{BodyBuilder, Role};
 
 /// Block size of the Mooncake trace format: each hash id stands for this many prompt tokens.
@@ -76,10 +76,33 @@ pub enum WorkloadConfig {
         /// Output lengths for lines that do not give one.
         output: LengthDist,
     },
+    /// Interference of long prompts with ongoing decodes: `streams` decode streams, each a
+    /// closed loop of `input`-token prompts generating `output` tokens (a new request as soon
+    /// as the last one ends), and one `burst_input`-token prompt generating `burst_output`
+    /// every `burst_interval_s` seconds, the first one interval after the start. Every prompt
+    /// is distinct from its first words on, so none is served from a prefix cache. Requests
+    /// are made as the run goes ([`MixedSource`]); it runs under
+    /// [`LoadConfig::Mixed`](crate::LoadConfig::Mixed), bounded by a duration or a request
+    /// count.
+    Mixed {
+        /// Concurrent decode streams.
+        streams: usize,
+        /// Prompt lengths of the streams' requests.
+        input: LengthDist,
+        /// Output lengths of the streams' requests.
+        output: LengthDist,
+        /// Prompt lengths of the bursts.
+        burst_input: LengthDist,
+        /// Output lengths of the bursts.
+        burst_output: LengthDist,
+        /// Seconds between bursts (a fixed interval).
+        burst_interval_s: f64,
+    },
 }
 
 impl WorkloadConfig {
-    /// Short name: `synthetic`, `shared_prefix`, `multi_turn`, `trace` or `prompts_file`.
+    /// Short name: `synthetic`, `shared_prefix`, `multi_turn`, `trace`, `prompts_file` or
+    /// `mixed`.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Synthetic { .. } => "synthetic",
@@ -87,6 +110,7 @@ impl WorkloadConfig {
             Self::MultiTurn { .. } => "multi_turn",
             Self::Trace { .. } => "trace",
             Self::PromptsFile { .. } => "prompts_file",
+            Self::Mixed { .. } => "mixed",
         }
     }
 
@@ -109,6 +133,12 @@ impl WorkloadConfig {
             }
             Self::PromptsFile { path, output } => {
                 format!("prompts from {}, output {output}", path.display())
+            }
+            Self::Mixed { streams, input, output, burst_input, burst_output, burst_interval_s } => {
+                format!(
+                    "mixed: {streams} streams (input {input}, output {output}), a burst every \
+                     {burst_interval_s} s (input {burst_input}, output {burst_output})"
+                )
             }
         }
     }
@@ -142,6 +172,15 @@ impl WorkloadConfig {
             }
             Self::Trace { block_tokens, .. } => nonzero(*block_tokens as usize, "block tokens"),
             Self::PromptsFile { output, .. } => output.validate(),
+            Self::Mixed { streams, input, output, burst_input, burst_output, burst_interval_s } => {
+                for d in [input, output, burst_input, burst_output] {
+                    d.validate()?;
+                }
+                if !(burst_interval_s.is_finite() && *burst_interval_s >= 1e-3) {
+                    return Err(BenchError::config("the burst interval must be at least 1 ms"));
+                }
+                nonzero(*streams, "streams")
+            }
         }
     }
 }
@@ -180,6 +219,8 @@ pub struct Dataset {
     pub think_time: Duration,
     /// Conversations used to warm up, disjoint from the measured ones.
     pub warmup: Vec<Conversation>,
+    /// The mixed workload's requests, made as the run goes (its `conversations` are empty).
+    pub mixed: Option<MixedSource>,
 }
 
 impl Dataset {
@@ -208,6 +249,7 @@ impl Dataset {
         };
         let mut multi_turn = false;
         let mut think_time = Duration::ZERO;
+        let mut mixed = None;
         let (conversations, mean_in, mean_out) = match workload {
             WorkloadConfig::Synthetic { input, output, prompts } => {
                 let mut convs = Vec::with_capacity(*prompts);
@@ -311,8 +353,26 @@ impl Dataset {
                 let n = convs.len().max(1) as f64;
                 (convs, sum_in / n, sum_out / n)
             }
+            WorkloadConfig::Mixed {
+                streams,
+                input,
+                output,
+                burst_input,
+                burst_output,
+                burst_interval_s,
+            } => {
+                mixed = Some(MixedSource {
+                    synth: synth.clone(),
+                    seed,
+                    streams: *streams,
+                    stream: (*input, *output),
+                    burst: (*burst_input, *burst_output),
+                    interval: Duration::from_secs_f64(burst_interval_s.min(1e9)),
+                });
+                (Vec::new(), input.mean(), output.mean())
+            }
         };
-        if conversations.is_empty() {
+        if conversations.is_empty() && mixed.is_none() {
             return Err(BenchError::config("the workload has no requests"));
         }
         let mut wrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7761_726d_7570);
@@ -321,12 +381,91 @@ impl Dataset {
         let warmup = (0..warmup)
             .map(|_| Ok(single(synth.prompt(warm_in, &mut wrng)?, warm_out, None)))
             .collect::<Result<_, BenchError>>()?;
-        Ok(Self { conversations, multi_turn, think_time, warmup })
+        Ok(Self { conversations, multi_turn, think_time, warmup, mixed })
     }
 
-    /// Total requests in the dataset (turns of all conversations).
+    /// Total requests in the dataset (turns of all conversations; 0 for the mixed workload).
     pub fn requests(&self) -> u64 {
         self.conversations.iter().map(|c| c.turns.len() as u64).sum()
+    }
+}
+
+/// The class of a request of the mixed workload, by which its figures are also reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestClass {
+    /// A request of one of the closed-loop decode streams.
+    Stream,
+    /// One of the periodic long prompts.
+    Burst,
+}
+
+impl RequestClass {
+    /// `stream` or `burst`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stream => "stream",
+            Self::Burst => "burst",
+        }
+    }
+}
+
+impl std::fmt::Display for RequestClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The requests of the mixed workload, made one at a time while the run goes (a run is
+/// bounded by time, so there is no fixed dataset). Request `index` of a class is the same for
+/// a seed, and every prompt opens with words spelling its class and index
+/// ([`PromptSynth::tagged`]), so no two requests of a run share a prefix. A second run with
+/// the same seed sends the same prompts: against a server that kept them in its prefix
+/// cache, give it another seed (whose prompts differ from the first word on).
+#[derive(Debug, Clone)]
+pub struct MixedSource {
+    synth: PromptSynth,
+    seed: u64,
+    streams: usize,
+    stream: (LengthDist, LengthDist),
+    burst: (LengthDist, LengthDist),
+    interval: Duration,
+}
+
+impl MixedSource {
+    /// Concurrent decode streams.
+    pub fn streams(&self) -> usize {
+        self.streams
+    }
+
+    /// When burst `k` (from 0) is due, from the start of the level: `(k + 1)` intervals.
+    pub fn burst_due(&self, k: u64) -> Duration {
+        self.interval.saturating_mul(u32::try_from(k.saturating_add(1)).unwrap_or(u32::MAX))
+    }
+
+    /// Request `index` of `class`, its body serialized.
+    pub fn request(
+        &self,
+        bodies: &BodyBuilder,
+        class: RequestClass,
+        index: u64,
+    ) -> Result<Turn, BenchError> {
+        let (input, output) = match class {
+            RequestClass::Stream => self.stream,
+            RequestClass::Burst => self.burst,
+        };
+        // Streams take the even numbers and bursts the odd ones; the seed shifts the tags, so
+        // that runs with other seeds differ from the first word on.
+        let number = index.wrapping_mul(2).wrapping_add(u64::from(class == RequestClass::Burst));
+        let salt = self.seed ^ 0x6d69_7865_6400;
+        let mut rng = ChaCha8Rng::seed_from_u64(salt ^ number.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let n = input.sample(&mut rng);
+        let max_tokens = output.sample(&mut rng);
+        let shift = salt.wrapping_mul(0xA24B_AED4_963E_E407) % TAG_SPACE;
+        let tag = (number % TAG_SPACE + shift) % TAG_SPACE;
+        let p = self.synth.tagged(tag, n, &mut rng)?;
+        let body = bodies.body(&[(Role::User, &p.text)], max_tokens);
+        Ok(Turn { user: p.text, input_tokens: p.tokens, max_tokens, body: Some(body) })
     }
 }
 
@@ -637,5 +776,86 @@ mod tests {
             read_prompts(&p).unwrap(),
             vec![("hello world".into(), None), ("a b c".into(), Some(9))]
         );
+    }
+
+    fn mixed(streams: usize, burst_interval_s: f64) -> WorkloadConfig {
+        WorkloadConfig::Mixed {
+            streams,
+            input: LengthDist::fixed(64),
+            output: LengthDist::fixed(384),
+            burst_input: LengthDist::fixed(1500),
+            burst_output: LengthDist::fixed(16),
+            burst_interval_s,
+        }
+    }
+
+    #[test]
+    fn mixed_requests_have_their_class_lengths_and_share_no_prefix() {
+        let d = Dataset::build(&mixed(8, 4.0), &synth(), &bodies(), 7, 2).unwrap();
+        assert!(d.conversations.is_empty() && d.requests() == 0, "made as the run goes");
+        // Warm-up requests have the streams' lengths.
+        assert_eq!(d.warmup.len(), 2);
+        for c in &d.warmup {
+            assert_eq!((c.turns[0].input_tokens, c.turns[0].max_tokens), (64, 384));
+        }
+        let m = d.mixed.as_ref().unwrap();
+        assert_eq!(m.streams(), 8);
+        let b = bodies();
+        let mut first_blocks = std::collections::HashSet::new();
+        for (class, n, out, count) in
+            [(RequestClass::Stream, 64, 384, 400), (RequestClass::Burst, 1500, 16, 40)]
+        {
+            for k in 0..count {
+                let t = m.request(&b, class, k).unwrap();
+                assert_eq!(t.input_tokens, n, "{class} {k}");
+                assert_eq!(t.user.split_whitespace().count() as u32, n);
+                let v: serde_json::Value =
+                    serde_json::from_slice(t.body.as_ref().unwrap()).unwrap();
+                assert_eq!(v["messages"][0]["content"], t.user.as_str());
+                assert_eq!(v["max_tokens"], out);
+                // No two requests share even their first four words.
+                let head: Vec<&str> = t.user.split_whitespace().take(4).collect();
+                assert!(first_blocks.insert(head.join(" ")), "{class} {k} repeats a prefix");
+            }
+        }
+        // A request is the same for a seed; another seed changes it from the first word on.
+        let again = m.request(&b, RequestClass::Burst, 3).unwrap();
+        assert_eq!(again.user, m.request(&b, RequestClass::Burst, 3).unwrap().user);
+        let other = Dataset::build(&mixed(8, 4.0), &synth(), &bodies(), 8, 0).unwrap();
+        let first = |t: &Turn| t.user.split_whitespace().next().map(str::to_string);
+        let theirs = other.mixed.unwrap().request(&b, RequestClass::Burst, 3).unwrap();
+        assert_ne!(first(&theirs), first(&again));
+    }
+
+    #[test]
+    fn bursts_come_one_interval_apart_from_one_interval_in() {
+        let d = Dataset::build(&mixed(2, 0.3), &synth(), &bodies(), 1, 0).unwrap();
+        let m = d.mixed.unwrap();
+        let due: Vec<f64> = (0..10).map(|k| m.burst_due(k).as_secs_f64()).collect();
+        for (k, t) in due.iter().enumerate() {
+            assert!((t - 0.3 * (k + 1) as f64).abs() < 1e-6, "burst {k} at {t}");
+        }
+        // Within a 2 s run: the bursts due at 0.3, 0.6, ... 1.8 s.
+        let within = (0..).take_while(|&k| m.burst_due(k) < Duration::from_secs(2)).count();
+        assert_eq!(within, 6);
+        assert_eq!(m.burst_due(u64::MAX), m.burst_due(u64::from(u32::MAX)), "saturates");
+    }
+
+    #[test]
+    fn mixed_parameters_are_checked() {
+        let with = |streams, burst_interval_s, burst: u32| WorkloadConfig::Mixed {
+            streams,
+            input: LengthDist::fixed(8),
+            output: LengthDist::fixed(4),
+            burst_input: LengthDist::fixed(burst),
+            burst_output: LengthDist::fixed(2),
+            burst_interval_s,
+        };
+        let build = |w: &WorkloadConfig| Dataset::build(w, &synth(), &bodies(), 1, 0);
+        let bad = [with(0, 1.0, 64), with(2, 0.0, 64), with(2, -1.0, 64), with(2, f64::NAN, 64)];
+        for w in bad.iter().chain(&[with(2, 1e-4, 64), with(2, 1.0, 0)]) {
+            assert!(matches!(build(w), Err(BenchError::Config(_))), "{w:?}");
+        }
+        assert!(build(&with(2, 1.0, 64)).is_ok());
     }
 }

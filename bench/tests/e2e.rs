@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvx_bench::{
-    Api, BenchConfig, EndpointConfig, LengthDist, LoadConfig, Report, TokenizerSpec,
-    WorkloadConfig, compare_table, read_trace, summary_table,
+    Api, BenchConfig, EndpointConfig, LengthDist, LoadConfig, Report, RequestClass, TokenizerSpec,
+    WorkloadConfig, compare_table, read_trace, render_html, summary_table,
 };
 use support::openai_fixture::{Fixture, FixtureConfig};
 
@@ -269,4 +269,89 @@ fn prompts_file_and_sweep_write_a_report_that_compares() {
     assert!(table.contains("TTFT p50 (ms)") && table.contains("1.000"), "{table}");
     std::fs::write(dir.join("bad.json"), "{\"schema\": \"other/9\"}").unwrap();
     assert!(Report::read_json(&dir.join("bad.json")).is_err());
+}
+
+#[test]
+fn mixed_workload_reports_streams_and_bursts_apart() {
+    let fixture = Fixture::start(FixtureConfig {
+        ttft: Duration::from_millis(2),
+        per_uncached_token: Duration::from_micros(20),
+        itl: Duration::from_millis(2),
+        ..Default::default()
+    });
+    let mut cfg = config(&fixture.url());
+    cfg.workload = WorkloadConfig::Mixed {
+        streams: 2,
+        input: LengthDist::fixed(16),
+        output: LengthDist::fixed(20),
+        burst_input: LengthDist::fixed(300),
+        burst_output: LengthDist::fixed(4),
+        burst_interval_s: 0.3,
+    };
+    cfg.load = LoadConfig::Mixed;
+    cfg.duration = Some(Duration::from_secs(2));
+    cfg.warmup_requests = 2;
+    let report = kvx_bench::run(&cfg).unwrap();
+    assert_eq!((report.workload.kind.as_str(), report.load.mode.as_str()), ("mixed", "mixed"));
+    let r = &report.runs[0];
+    assert_eq!(r.level.label, "2 streams + bursts");
+    assert_eq!(r.requests.failed, 0, "{:?}", r.errors);
+    assert_eq!(fixture.requests(), r.requests.sent + 2, "measured + 2 warm-up");
+
+    // Both classes, with plausible counts: every burst due before the end (0.3 .. 1.8 s), and
+    // each stream at least once; together they make the overall figures.
+    let (s, b) = (&r.classes["stream"], &r.classes["burst"]);
+    assert_eq!(r.classes.len(), 2);
+    assert_eq!(b.requests.completed, 6);
+    assert!(s.requests.completed >= 2, "{:?}", s.requests);
+    assert_eq!(s.requests.completed + b.requests.completed, r.requests.completed);
+    assert_eq!(s.tokens.output_total, s.requests.completed * 20);
+    assert_eq!(b.tokens.output_total, 6 * 4);
+    assert_eq!(s.tokens.output_total + b.tokens.output_total, r.tokens.output_total);
+    assert_eq!(s.latency_ms.itl.unwrap().count, s.requests.completed * 19, "every gap");
+    assert_eq!(b.latency_ms.itl.unwrap().count, 6 * 3);
+    assert_eq!(b.latency_ms.ttft.unwrap().count, 6);
+    assert!(s.throughput.output_tokens_per_s > 0.0 && b.throughput.output_tokens_per_s > 0.0);
+    let sum = s.throughput.output_tokens_per_s + b.throughput.output_tokens_per_s;
+    assert!((sum - r.throughput.output_tokens_per_s).abs() < 1e-6 * sum);
+
+    // Each request has its class's lengths, and none found its prompt in the prefix cache.
+    assert_eq!(r.request_records.len() as u64, r.requests.sent);
+    for rec in &r.request_records {
+        let (input, output) = match rec.class {
+            Some(RequestClass::Stream) => (16, 20),
+            Some(RequestClass::Burst) => (300, 4),
+            None => panic!("a record without a class: {rec:?}"),
+        };
+        assert_eq!((rec.input_tokens, rec.output_tokens), (input, output), "{rec:?}");
+        assert_eq!(rec.server_prompt_tokens, Some(u64::from(input)));
+        assert_eq!(rec.cached_tokens, Some(0), "{rec:?}");
+    }
+    let mut bursts: Vec<u32> = r
+        .request_records
+        .iter()
+        .filter(|x| x.class == Some(RequestClass::Burst))
+        .map(|x| x.conversation)
+        .collect();
+    bursts.sort_unstable();
+    assert_eq!(bursts, [0, 1, 2, 3, 4, 5]);
+    let long = fixture.log().iter().filter(|x| x.prompt_tokens == 300).count();
+    assert_eq!(long, 6, "the fixture saw the six bursts");
+
+    // The renderings show the classes, and the JSON keeps them.
+    let table = summary_table(&report);
+    println!("{table}");
+    for want in ["stream ", "burst ", "  TTFT (ms)", "  ITL (ms)", "2 streams + bursts"] {
+        assert!(table.contains(want), "{want:?} missing from\n{table}");
+    }
+    let html = render_html(&report);
+    assert!(html.contains("<table class=\"classes\">") && html.contains("<th>burst</th>"));
+    let dir = std::env::temp_dir().join(format!("kvx-bench-mixed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("mixed.json");
+    report.write_json(&path).unwrap();
+    let back = Report::read_json(&path).unwrap();
+    assert!(back == report, "the classes survive a JSON round trip");
+    let cmp = compare_table(&report, "a", &back, "b");
+    assert!(cmp.contains("burst ITL p99 (ms)") && cmp.contains("stream TTFT p50 (ms)"), "{cmp}");
 }

@@ -1,8 +1,9 @@
-//! `kvx bench compare`: two reports side by side, level by level, with B/A ratios.
+//! `kvx bench compare`: two reports side by side, level by level, with B/A ratios (and per
+//! request class for classes both levels have).
 
 use std::fmt::Write;
 
-use super::{Report, RunReport, Stats};
+use super::{ClassReport, Report, RunReport, Stats};
 
 type Metric = (&'static str, fn(&RunReport) -> Option<f64>);
 
@@ -25,6 +26,18 @@ const METRICS: &[Metric] = &[
     ("goodput req/s", |r| r.throughput.goodput_requests_per_s),
     ("cache hit ratio", |r| r.tokens.cache_hit_ratio),
     ("failed", |r| Some(r.requests.failed as f64)),
+];
+
+type ClassMetric = (&'static str, fn(&ClassReport) -> Option<f64>);
+
+/// Compared for each request class both levels have.
+const CLASS_METRICS: &[ClassMetric] = &[
+    ("TTFT p50 (ms)", |c| pick(c.latency_ms.ttft, |s| s.p50)),
+    ("TTFT p99 (ms)", |c| pick(c.latency_ms.ttft, |s| s.p99)),
+    ("ITL p50 (ms)", |c| pick(c.latency_ms.itl, |s| s.p50)),
+    ("ITL p99 (ms)", |c| pick(c.latency_ms.itl, |s| s.p99)),
+    ("ITL max (ms)", |c| pick(c.latency_ms.itl, |s| s.max)),
+    ("output tok/s", |c| Some(c.throughput.output_tokens_per_s)),
 ];
 
 fn cell(v: Option<f64>) -> String {
@@ -51,15 +64,24 @@ pub fn compare_table(a: &Report, a_name: &str, b: &Report, b_name: &str) -> Stri
     }
     for (ra, rb) in a.runs.iter().zip(&b.runs) {
         let _ = writeln!(out, "\n== A {} vs B {}", ra.level.label, rb.level.label);
-        let _ = writeln!(out, "  {:<18}{:>14}{:>14}{:>10}", "metric", "A", "B", "B/A");
+        let _ = writeln!(out, "  {:<22}{:>14}{:>14}{:>10}", "metric", "A", "B", "B/A");
         for (name, f) in METRICS {
-            let (x, y) = (f(ra), f(rb));
-            let ratio = match (x, y) {
-                (Some(x), Some(y)) if x != 0.0 => format!("{:.3}", y / x),
-                _ => "-".to_string(),
-            };
-            let _ = writeln!(out, "  {name:<18}{:>14}{:>14}{ratio:>10}", cell(x), cell(y));
+            line(&mut out, name, f(ra), f(rb));
+        }
+        for (class, ca) in ra.classes_in_order() {
+            let Some(cb) = rb.classes.get(class) else { continue };
+            for (name, f) in CLASS_METRICS {
+                line(&mut out, &format!("{class} {name}"), f(ca), f(cb));
+            }
         }
     }
     out
+}
+
+fn line(out: &mut String, name: &str, x: Option<f64>, y: Option<f64>) {
+    let ratio = match (x, y) {
+        (Some(x), Some(y)) if x != 0.0 => format!("{:.3}", y / x),
+        _ => "-".to_string(),
+    };
+    let _ = writeln!(out, "  {name:<22}{:>14}{:>14}{ratio:>10}", cell(x), cell(y));
 }

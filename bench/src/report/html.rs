@@ -295,7 +295,33 @@ fn run_table(r: &RunReport) -> String {
     ] {
         let _ = write!(t, "<tr><th>{name}</th>{}</tr>", stat_cells(s));
     }
-    t.push_str("</tbody></table></section>\n");
+    t.push_str("</tbody></table>");
+    if !r.classes.is_empty() {
+        t.push_str("<table class=\"classes\"><thead><tr><th>class</th><th>ok</th><th>failed</th><th>TTFT p50 (ms)</th><th>TTFT p90 (ms)</th><th>TTFT p99 (ms)</th><th>ITL p50 (ms)</th><th>ITL p90 (ms)</th><th>ITL p99 (ms)</th><th>ITL max (ms)</th><th>output tok/s</th></tr></thead><tbody>");
+        for (name, c) in r.classes_in_order() {
+            let ms = |s: Option<Stats>, f: fn(&Stats) -> f64| {
+                s.map_or_else(|| "<td>-</td>".to_string(), |s| format!("<td>{:.2}</td>", f(&s)))
+            };
+            let (ttft, itl) = (c.latency_ms.ttft, c.latency_ms.itl);
+            let _ = write!(
+                t,
+                "<tr><th>{}</th><td>{}</td><td>{}</td>{}{}{}{}{}{}{}<td>{:.1}</td></tr>",
+                esc(name),
+                c.requests.completed,
+                c.requests.failed,
+                ms(ttft, |s| s.p50),
+                ms(ttft, |s| s.p90),
+                ms(ttft, |s| s.p99),
+                ms(itl, |s| s.p50),
+                ms(itl, |s| s.p90),
+                ms(itl, |s| s.p99),
+                ms(itl, |s| s.max),
+                c.throughput.output_tokens_per_s
+            );
+        }
+        t.push_str("</tbody></table>");
+    }
+    t.push_str("</section>\n");
     t
 }
 

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::BenchError;
 use crate::client::ErrorClass;
 use crate::request::Api;
-use crate::workload::WorkloadConfig;
+use crate::workload::{RequestClass, WorkloadConfig};
 
 pub use compare::compare_table;
 pub use html::render_html;
@@ -61,15 +61,15 @@ pub struct Target {
 /// The workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkloadInfo {
-    /// `synthetic`, `shared_prefix`, `multi_turn`, `trace` or `prompts_file`.
+    /// `synthetic`, `shared_prefix`, `multi_turn`, `trace`, `prompts_file` or `mixed`.
     pub kind: String,
     /// One line for humans.
     pub description: String,
     /// Tokenizer used to size prompts (`words` or a file).
     pub tokenizer: String,
-    /// Conversations in the dataset.
+    /// Conversations in the dataset (0 for `mixed`, whose requests are made as it runs).
     pub conversations: usize,
-    /// Requests in the dataset (turns of all conversations).
+    /// Requests in the dataset (turns of all conversations; 0 for `mixed`).
     pub dataset_requests: u64,
     /// The full workload configuration.
     pub config: WorkloadConfig,
@@ -78,8 +78,8 @@ pub struct WorkloadInfo {
 /// The load model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadInfo {
-    /// `closed` (fixed concurrency), `poisson` (open loop at a rate) or `trace` (open loop at
-    /// the trace's timestamps).
+    /// `closed` (fixed concurrency), `poisson` (open loop at a rate), `trace` (open loop at
+    /// the trace's timestamps) or `mixed` (the mixed workload's streams and bursts).
     pub mode: String,
     /// Request bound per level, if any.
     pub max_requests: Option<u64>,
@@ -105,11 +105,11 @@ pub struct Slo {
 /// A load level.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Level {
-    /// `concurrency`, `request_rate` or `trace_speed`.
+    /// `concurrency`, `request_rate`, `trace_speed` or `mixed`.
     pub mode: String,
-    /// Concurrency, requests per second, or speed factor.
+    /// Concurrency, requests per second, speed factor, or streams (`mixed`).
     pub value: f64,
-    /// Short label, e.g. `c=8`, `8 req/s`, `trace x1`.
+    /// Short label, e.g. `c=8`, `8 req/s`, `trace x1`, `8 streams + bursts`.
     pub label: String,
 }
 
@@ -134,9 +134,27 @@ pub struct RunReport {
     pub client: ClientStats,
     /// Cumulative distributions as `[value_ms, fraction]` points, for plotting.
     pub cdf_ms: Cdfs,
+    /// The same figures per request class (`stream`, `burst`) of the mixed workload; empty
+    /// (and absent from the JSON) for the other workloads.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub classes: BTreeMap<String, ClassReport>,
     /// Per-request records (only when asked for).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub request_records: Vec<RequestRecord>,
+}
+
+/// The figures of one request class of a level (see [`RunReport::classes`]). Rates are over
+/// the level's `duration_s`, so the classes' rates add up to the level's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClassReport {
+    /// Request counts.
+    pub requests: Counts,
+    /// Rates over the level's duration.
+    pub throughput: Throughput,
+    /// Latency distributions, milliseconds, over successful requests of the class.
+    pub latency_ms: Latencies,
+    /// Token counts.
+    pub tokens: Tokens,
 }
 
 /// Request counts of a level.
@@ -273,6 +291,24 @@ pub struct RequestRecord {
     pub cached_tokens: Option<u64>,
     /// Failure class, if it failed.
     pub error: Option<ErrorClass>,
+    /// Class of a mixed-workload request (absent for other workloads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<RequestClass>,
+}
+
+impl RunReport {
+    /// The classes in display order: `stream`, `burst`, then any others by name.
+    pub(crate) fn classes_in_order(&self) -> Vec<(&str, &ClassReport)> {
+        let rank = |k: &str| match k {
+            "stream" => 0,
+            "burst" => 1,
+            _ => 2,
+        };
+        let mut v: Vec<(&str, &ClassReport)> =
+            self.classes.iter().map(|(k, c)| (k.as_str(), c)).collect();
+        v.sort_by_key(|(k, _)| rank(k));
+        v
+    }
 }
 
 impl Report {

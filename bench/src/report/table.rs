@@ -1,4 +1,5 @@
-//! The terminal summary: one block per load level, then a sweep table when there are several.
+//! The terminal summary: one block per load level (with the figures of each request class
+//! when the workload has classes), then a sweep table when there are several.
 
 use std::fmt::Write;
 
@@ -46,6 +47,15 @@ fn run_block(out: &mut String, r: &RunReport) {
         let _ = write!(out, ", goodput {g:.2} req/s ({:.1}% good)", f * 100.0);
     }
     out.push('\n');
+    for (name, c) in r.classes_in_order() {
+        let _ = writeln!(
+            out,
+            "  {name:<18}{} ok, {} failed, {:.1} output tok/s",
+            c.requests.completed, c.requests.failed, c.throughput.output_tokens_per_s
+        );
+        row(out, "  TTFT (ms)", c.latency_ms.ttft);
+        row(out, "  ITL (ms)", c.latency_ms.itl);
+    }
     if let Some(cached) = r.tokens.cached_total {
         let _ = writeln!(
             out,

@@ -46,6 +46,10 @@ pub(crate) enum WorkloadKind {
     Trace,
     /// Prompts from --prompts-file.
     Prompts,
+    /// --streams closed-loop decode streams (--input-tokens, --output-tokens) and a long prompt
+    /// (--burst-input-tokens, --burst-output-tokens) every --burst-interval seconds; figures
+    /// per class (stream, burst). Runs --duration (default 60) seconds.
+    Mixed,
 }
 
 /// Options of a benchmark run.
@@ -136,6 +140,18 @@ pub(crate) struct RunArgs {
     /// Tokens per trace hash id.
     #[arg(long, default_value_t = kvx_bench::MOONCAKE_BLOCK_TOKENS, help_heading = "Workload")]
     pub(super) trace_block_tokens: u32,
+    /// Decode streams, each a closed loop (mixed workload).
+    #[arg(long, default_value_t = 8, help_heading = "Workload")]
+    pub(super) streams: usize,
+    /// Seconds between long prompts, the first one interval in (mixed workload).
+    #[arg(long, value_name = "SECONDS", default_value_t = 4.0, help_heading = "Workload")]
+    pub(super) burst_interval: f64,
+    /// Long prompts' lengths, same forms as --input-tokens (mixed workload).
+    #[arg(long, default_value = "1500", value_parser = parse_dist, help_heading = "Workload")]
+    pub(super) burst_input_tokens: LengthDist,
+    /// Long prompts' output lengths (mixed workload).
+    #[arg(long, default_value = "16", value_parser = parse_dist, help_heading = "Workload")]
+    pub(super) burst_output_tokens: LengthDist,
     /// Prompts file: JSON lines with "prompt" (and optional "output_length"), or plain lines.
     #[arg(long, value_name = "FILE", help_heading = "Workload")]
     pub(super) prompts_file: Option<PathBuf>,
@@ -162,7 +178,7 @@ pub(crate) struct RunArgs {
     /// Requests per level (default: the dataset's size, unless --duration bounds the level).
     #[arg(long, help_heading = "Load")]
     pub(super) requests: Option<u64>,
-    /// Seconds per level after which no request starts.
+    /// Seconds per level after which no request starts (mixed workload: 60 unless --requests).
     #[arg(long, help_heading = "Load")]
     pub(super) duration: Option<f64>,
     /// Unmeasured warm-up requests before the first level.

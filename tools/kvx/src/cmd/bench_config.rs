@@ -89,8 +89,27 @@ impl RunArgs {
                     .context("the prompts workload needs --prompts-file FILE")?,
                 output: self.output_tokens,
             },
+            WorkloadKind::Mixed => WorkloadConfig::Mixed {
+                streams: self.streams,
+                input: self.input_tokens,
+                output: self.output_tokens,
+                burst_input: self.burst_input_tokens,
+                burst_output: self.burst_output_tokens,
+                burst_interval_s: self.burst_interval,
+            },
         };
-        let load = if !self.request_rate.is_empty() {
+        let mixed = kind == WorkloadKind::Mixed;
+        let other_load = [self.concurrency.len(), self.request_rate.len(), self.trace_speed.len()];
+        if mixed && other_load.iter().any(|&n| n > 0) {
+            bail!("the mixed workload sets its own load (--streams, --burst-interval)");
+        }
+        let mut duration = self.duration.map(|d| secs("--duration", d)).transpose()?;
+        if mixed && duration.is_none() && self.requests.is_none() {
+            duration = Some(Duration::from_secs(60));
+        }
+        let load = if mixed {
+            LoadConfig::Mixed
+        } else if !self.request_rate.is_empty() {
             LoadConfig::Poisson { rates: self.request_rate.clone() }
         } else if !self.trace_speed.is_empty() {
             LoadConfig::Trace { speeds: self.trace_speed.clone() }
@@ -111,7 +130,7 @@ impl RunArgs {
             tokenizer,
             load,
             max_requests: self.requests,
-            duration: self.duration.map(|d| secs("--duration", d)).transpose()?,
+            duration,
             warmup_requests: self.warmup,
             seed: self.seed,
             slo: Slo { ttft_ms: self.slo_ttft, itl_ms: self.slo_itl },
@@ -195,5 +214,60 @@ mod tests {
         assert!(bench(&["--extra-body", "[1]"]).run.config().is_err());
         assert!(bench(&["--header", "nocolon"]).run.config().is_err());
         assert!(bench(&["--workload", "prompts"]).run.config().is_err());
+        for other in [["--concurrency", "4"], ["--request-rate", "2"]] {
+            let b = bench(&[&["--workload", "mixed"][..], &other[..]].concat());
+            assert!(b.run.config().is_err(), "{other:?} with the mixed workload");
+        }
+        assert!(parse(&["--workload", "mixed", "--burst-input-tokens", "x"]).is_err());
+    }
+
+    #[test]
+    fn mixed_workload_parses_with_its_defaults_and_flags() {
+        let cfg = bench(&["--workload", "mixed"]).run.config().unwrap();
+        let want = WorkloadConfig::Mixed {
+            streams: 8,
+            input: LengthDist::fixed(128),
+            output: LengthDist::fixed(64),
+            burst_input: LengthDist::fixed(1500),
+            burst_output: LengthDist::fixed(16),
+            burst_interval_s: 4.0,
+        };
+        assert_eq!((&cfg.workload, &cfg.load), (&want, &LoadConfig::Mixed));
+        assert_eq!((cfg.duration, cfg.max_requests), (Some(Duration::from_secs(60)), None));
+
+        let b = bench(&[
+            "--workload",
+            "mixed",
+            "--streams",
+            "4",
+            "--input-tokens",
+            "64",
+            "--output-tokens",
+            "384",
+            "--burst-interval",
+            "0.5",
+            "--burst-input-tokens",
+            "uniform:1000,2000",
+            "--burst-output-tokens",
+            "8",
+            "--duration",
+            "120",
+            "--warmup",
+            "3",
+        ]);
+        let cfg = b.run.config().unwrap();
+        let want = WorkloadConfig::Mixed {
+            streams: 4,
+            input: LengthDist::fixed(64),
+            output: LengthDist::fixed(384),
+            burst_input: LengthDist::Uniform { min: 1000, max: 2000 },
+            burst_output: LengthDist::fixed(8),
+            burst_interval_s: 0.5,
+        };
+        assert_eq!(cfg.workload, want);
+        assert_eq!((cfg.duration, cfg.warmup_requests), (Some(Duration::from_secs(120)), 3));
+        // A request bound alone leaves the duration open.
+        let cfg = bench(&["--workload", "mixed", "--requests", "50"]).run.config().unwrap();
+        assert_eq!((cfg.duration, cfg.max_requests), (None, Some(50)));
     }
 }
