@@ -54,6 +54,12 @@ pub(crate) const NEEDS: &[Need] = &[
         apt: "g++",
     },
     Need {
+        what: "iproute2 (`ip`)",
+        why: "network namespaces as hosts (tests/tests/planes_disagg.rs, across hosts)",
+        probe: Probe::AnyCommand(&["ip"]),
+        apt: "iproute2",
+    },
+    Need {
         what: "python3 with venv and ensurepip",
         why: "the oracle's venv under .kvx/",
         probe: Probe::Python("import venv, ensurepip"),
