@@ -16,8 +16,10 @@
 #                (one KV block's keys or values), one transfer in flight.
 #   fleet        8 prefill + 24 decode mock workers against 32 aggregated mock workers
 #                (`kvx worker --engine mocker`, Dynamo's timing model at speedup 1, modelled
-#                KV transfers), ISL 3,000 / OSL 150, Poisson at 1, 2 and 4 req/s: TTFT and
-#                ITL percentiles.
+#                KV transfers; block size 16, 16,384 blocks, 256 sequences and 8,192 tokens
+#                per step), ISL 3,000 / OSL 150, Poisson at 1, 2 and 4 req/s, 1,000 distinct
+#                prompts, seed = rate index: TTFT and ITL percentiles. With DYNAMO=1 the same
+#                workload on Dynamo 1.6.1's mocker (bench/scripts/dynamo_disagg_fleet.sh).
 #
 # Usage: bench/scripts/disagg.sh [--only SECTION[,SECTION]] [--runs N] [--secs S] [--out DIR]
 # Environment: KVX (binary, default target/release/kvx), KVX_HOME (model store).
@@ -180,9 +182,12 @@ fi
 
 if want fleet; then
   echo "== fleet: 8 prefill + 24 decode mock workers vs 32 aggregated, ISL 3,000 / OSL 150"
-  MOCK=(--engine mocker --mocker-vocab 49152 --mocker-blocks 16384)
+  MOCK=(--engine mocker --mocker-vocab 49152 --mocker-blocks 16384 --block-size 16
+        --max-num-seqs 256 --max-batched-tokens 8192)
   for mode in agg disagg; do
+    seed=0
     for rate in 1 2 4; do
+      seed=$((seed + 1))
       FLOG=$OUT/fleet-frontend.log
       "$KVX" frontend --port 0 --worker-listen 127.0.0.1:0 --model "$GGUF" >"$FLOG" 2>"$FLOG.err" & PIDS+=($!)
       for _ in $(seq 100); do grep -q "^listening on" "$FLOG" && break; sleep 0.1; done
@@ -197,7 +202,8 @@ if want fleet; then
         [ "$(curl -s "http://$FE/metrics" | sed -n 's/^kvx_router_plane_workers //p')" = 32 ] && break; sleep 0.2
       done
       "$KVX" bench --url "http://$FE" --api completions --input-tokens 3000 --output-tokens 150 --ignore-eos \
-        --request-rate $rate --duration 30 --json "$OUT/fleet-$mode-$rate.json" --quiet >/dev/null
+        --prompts 1000 --seed $seed --request-rate $rate --duration 30 \
+        --json "$OUT/fleet-$mode-$rate.json" --quiet >/dev/null
       stop_all
     done
   done
@@ -211,4 +217,7 @@ for mode in ("agg", "disagg"):
         t, i = r["latency_ms"]["ttft"], r["latency_ms"]["itl"]
         print(f"{mode:10s}{rate:5d}{t['p50']:10.1f}{t['p90']:8.1f}{t['p99']:8.1f}{i['p50']:9.2f}{i['p90']:7.2f}{i['p99']:7.2f}{r['throughput']['output_tokens_per_s']:8.1f}")
 EOF
+  if [ "${DYNAMO:-0}" = 1 ]; then
+    OUT=$OUT/dynamo KVX=$KVX "$HERE/dynamo_disagg_fleet.sh"
+  fi
 fi

@@ -57,6 +57,8 @@ pub struct Collector {
     slo: Slo,
     keep_records: bool,
     ttft: Histogram<u64>,
+    /// Servers' reported KV transfer times (nanoseconds).
+    kv_transfer: Histogram<u64>,
     itl: Histogram<u64>,
     tpot: Histogram<u64>,
     e2e: Histogram<u64>,
@@ -93,6 +95,7 @@ impl Collector {
             slo,
             keep_records,
             ttft: latency_hist(),
+            kv_transfer: latency_hist(),
             itl: latency_hist(),
             tpot: latency_hist(),
             e2e: latency_hist(),
@@ -147,6 +150,7 @@ impl Collector {
                     output_tokens: f.output_tokens,
                     server_prompt_tokens: usage.and_then(|u| u.prompt_tokens),
                     cached_tokens: usage.and_then(|u| u.cached_tokens()),
+                    kv_transfer_ms: usage.and_then(|u| u.kv_transfer_ms),
                     error: o.error,
                     class: f.class,
                 });
@@ -185,6 +189,9 @@ impl Collector {
                 *self.cached.get_or_insert(0) += c;
                 self.cache_hit += c;
                 self.cache_prompt += u.prompt_tokens.unwrap_or(0);
+            }
+            if let Some(t) = u.kv_transfer_ms.filter(|t| t.is_finite() && *t >= 0.0) {
+                record(&mut self.kv_transfer, (t * 1e6) as u64);
             }
         }
         let ttft_ok = match (self.slo.ttft_ms, ttft) {
@@ -254,6 +261,7 @@ impl Collector {
                 itl: stats(&self.itl, 1e6),
                 tpot: stats(&self.tpot, 1e6),
                 e2e: stats(&self.e2e, 1e6),
+                kv_transfer: stats(&self.kv_transfer, 1e6),
             },
             tokens: Tokens {
                 input_total: self.input_total,
@@ -381,6 +389,34 @@ mod tests {
     }
 
     #[test]
+    fn reported_kv_transfers_are_summarized_and_kept_per_request() {
+        let t0 = Instant::now();
+        let mut c = Collector::new(t0, Slo::default(), true);
+        for (i, kv) in [None, Some(4.0), Some(12.0)].into_iter().enumerate() {
+            let mut o = outcome(t0, i as u64, Some(1), 2);
+            o.usage = Some(Usage { kv_transfer_ms: kv, ..Usage::default() });
+            c.add(&Finished {
+                outcome: &o,
+                gaps: &[],
+                input_tokens: 60,
+                output_tokens: 1,
+                lag: None,
+                conversation: i,
+                turn: 0,
+                class: None,
+            });
+        }
+        let r = c.finish(level(), 1);
+        let kv = r.latency_ms.kv_transfer.expect("two requests reported a transfer");
+        assert_eq!(kv.count, 2);
+        assert!((kv.max - 12.0).abs() < 0.1, "{kv:?}");
+        let per: Vec<_> = r.request_records.iter().map(|x| x.kv_transfer_ms).collect();
+        assert_eq!(per, [None, Some(4.0), Some(12.0)]);
+        let none = Collector::new(t0, Slo::default(), false).finish(level(), 0);
+        assert!(none.latency_ms.kv_transfer.is_none());
+    }
+
+    #[test]
     fn cached_tokens_sum_only_over_reporting_requests() {
         let t0 = Instant::now();
         let mut c = Collector::new(t0, Slo::default(), false);
@@ -391,6 +427,7 @@ mod tests {
                 completion_tokens: Some(1),
                 prompt_tokens_details: cached
                     .map(|c| PromptTokensDetails { cached_tokens: Some(c) }),
+                kv_transfer_ms: None,
             });
             c.add(&Finished {
                 outcome: &o,

@@ -142,7 +142,7 @@ impl SseParser {
 }
 
 /// Token usage as OpenAI-compatible servers report it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
 pub struct Usage {
     /// Prompt tokens the server counted.
     #[serde(default)]
@@ -153,6 +153,9 @@ pub struct Usage {
     /// Details of the prompt tokens (prefix-cache hits).
     #[serde(default)]
     pub prompt_tokens_details: Option<PromptTokensDetails>,
+    /// kvx's extension: milliseconds the prompt's KV took to move from a prefill worker.
+    #[serde(default)]
+    pub kv_transfer_ms: Option<f64>,
 }
 
 /// `usage.prompt_tokens_details`.

@@ -219,6 +219,10 @@ pub struct Latencies {
     pub tpot: Option<Stats>,
     /// End to end: request sent to response finished.
     pub e2e: Option<Stats>,
+    /// The prompt's KV transfer in disaggregated serving, as the server reports it
+    /// (`usage.kv_transfer_ms`, a kvx extension); absent when no request reported one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer: Option<Stats>,
 }
 
 /// Token counts of a level (successful requests).
@@ -289,6 +293,9 @@ pub struct RequestRecord {
     pub server_prompt_tokens: Option<u64>,
     /// `usage.prompt_tokens_details.cached_tokens`, when reported.
     pub cached_tokens: Option<u64>,
+    /// `usage.kv_transfer_ms`, when reported (kvx's disaggregated serving).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_ms: Option<f64>,
     /// Failure class, if it failed.
     pub error: Option<ErrorClass>,
     /// Class of a mixed-workload request (absent for other workloads).

@@ -33,6 +33,9 @@ fn run_block(out: &mut String, r: &RunReport) {
     );
     row(out, "TTFT (ms)", r.latency_ms.ttft);
     row(out, "ITL (ms)", r.latency_ms.itl);
+    if r.latency_ms.kv_transfer.is_some() {
+        row(out, "KV xfer (ms)", r.latency_ms.kv_transfer);
+    }
     row(out, "TPOT (ms)", r.latency_ms.tpot);
     row(out, "E2E (ms)", r.latency_ms.e2e);
     row(out, "input tokens", r.tokens.input_per_request);

@@ -33,12 +33,17 @@ pub fn finish_reason(r: FinishReason) -> &'static str {
 
 /// `usage` of a response.
 pub fn usage_json(u: &Usage) -> Value {
-    json!({
+    let mut v = json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    })
+    });
+    // kvx's extension: the prompt's KV transfer in disaggregated serving.
+    if u.kv_transfer_us > 0 {
+        v["kv_transfer_ms"] = json!(f64::from(u.kv_transfer_us) / 1e3);
+    }
+    v
 }
 
 fn piece(tok: &Tokenizer, id: u32) -> (String, Vec<u8>) {
@@ -288,7 +293,15 @@ mod tests {
         w.role(&mut b, 0);
         w.delta(&mut b, 0, "he said \"hi\"\n", None);
         w.finish(&mut b, 0, FinishReason::Length);
-        w.usage(&mut b, &Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 1 });
+        w.usage(
+            &mut b,
+            &Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2,
+                cached_tokens: 1,
+                ..Default::default()
+            },
+        );
         w.done(&mut b);
         let ev = events(&b);
         assert_eq!(ev[0]["choices"][0]["delta"]["role"], "assistant");
@@ -326,7 +339,12 @@ mod tests {
             5,
             "m",
             vec![Choice { text: "hi".into(), finish: FinishReason::Stop, logprobs: None }],
-            &Usage { prompt_tokens: 4, completion_tokens: 1, cached_tokens: 0 },
+            &Usage {
+                prompt_tokens: 4,
+                completion_tokens: 1,
+                cached_tokens: 0,
+                ..Default::default()
+            },
         );
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["choices"][0]["message"]["content"], "hi");

@@ -582,6 +582,7 @@ fn add(total: &mut Usage, u: &Usage) {
     total.prompt_tokens += u.prompt_tokens;
     total.completion_tokens += u.completion_tokens;
     total.cached_tokens += u.cached_tokens;
+    total.kv_transfer_us = total.kv_transfer_us.saturating_add(u.kv_transfer_us);
 }
 
 /// One choice's output stream.

@@ -158,7 +158,7 @@ pub trait Legs: Send + Sync + 'static {
 /// How the prefill leg of a request ended.
 enum Prefill {
     /// The KV is in the decode worker's blocks.
-    Sent,
+    Sent(kvx_proto::KvTransfer),
     /// It will not come.
     Failed,
     /// The client went away.
@@ -221,10 +221,12 @@ pub async fn relay<L: Legs>(
         }
     };
     // 2. The prefill leg, while watching the decode leg and the client.
+    let mut transfer_us = 0u32;
     if let Some(dest) = prefill {
         match prefill_leg(&*legs, &cfg, &req, dest, &mut d_rx, &client).await {
-            Prefill::Sent => {
+            Prefill::Sent(t) => {
                 c.remote.fetch_add(1, Ordering::Relaxed);
+                transfer_us = (t.transfer_ms * 1e3).max(1.0) as u32;
                 tell(&*legs, decode, id, true).await;
             }
             Prefill::Failed => {
@@ -254,6 +256,11 @@ pub async fn relay<L: Legs>(
         };
         match o {
             Some(Output::Kv(_)) => {}
+            Some(Output::Finished { reason, mut usage }) => {
+                usage.kv_transfer_us = transfer_us;
+                let _ = client.send(Output::Finished { reason, usage });
+                break;
+            }
             Some(o) => {
                 let end = !matches!(o, Output::Delta(_));
                 if client.send(o).is_err() {
@@ -353,7 +360,7 @@ async fn prefill_leg<L: Legs>(
                     c.transfer_us.fetch_add(us, Ordering::Relaxed);
                     c.transfer_max_us.fetch_max(us, Ordering::Relaxed);
                     legs.prefill_ended(leg);
-                    return Prefill::Sent;
+                    return Prefill::Sent(t);
                 }
                 Some(Output::Error { message, .. }) => {
                     tracing::warn!(request = %req.id, prefill = p, %message, "prefill failed");

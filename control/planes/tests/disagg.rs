@@ -107,3 +107,20 @@ fn a_client_that_goes_away_cancels_both_legs() {
         p.shards().iter().all(|h| h.shard.status().requests == 0)
     });
 }
+
+#[test]
+fn the_final_usage_says_how_long_the_kv_took_to_move() {
+    let p = plane(&[Prefill, Decode], DisaggConfig { min_tokens: 64, ..DisaggConfig::default() });
+    let usage_of = |id, len| {
+        let mut rx = p.submit(request(id, id as u32, len, 3)).expect("submit");
+        loop {
+            match rx.blocking_recv().expect("an end") {
+                kvx_proto::Output::Finished { usage, .. } => return usage,
+                kvx_proto::Output::Error { message, .. } => panic!("{message}"),
+                _ => {}
+            }
+        }
+    };
+    assert!(usage_of(1, 300).kv_transfer_us > 0, "prefilled remotely");
+    assert_eq!(usage_of(2, 20).kv_transfer_us, 0, "prefilled where it decoded");
+}

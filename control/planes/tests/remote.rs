@@ -413,7 +413,12 @@ async fn a_decode_worker_is_told_when_the_kv_is_in() {
     dw.output(RequestId(7), delta(3)).await;
     let fin = Output::Finished {
         reason: FinishReason::Length,
-        usage: kvx_proto::Usage { prompt_tokens: 100, completion_tokens: 1, cached_tokens: 0 },
+        usage: kvx_proto::Usage {
+            prompt_tokens: 100,
+            completion_tokens: 1,
+            cached_tokens: 0,
+            ..Default::default()
+        },
     };
     dw.output(RequestId(7), fin).await;
     let (tokens, end) = collect(&mut rx, LONG).await;

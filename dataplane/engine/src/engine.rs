@@ -492,6 +492,7 @@ impl Engine {
                     prompt_tokens: seq.prompt_len as u32,
                     completion_tokens: 0,
                     cached_tokens: seq.cached_prompt as u32,
+                    kv_transfer_us: 0,
                 },
                 prefilled: true,
             });
@@ -509,6 +510,7 @@ impl Engine {
             prompt_tokens: seq.as_ref().map_or(0, |s| s.prompt_len as u32),
             completion_tokens: st.as_ref().map_or(0, |s| s.output.generated() as u32),
             cached_tokens: seq.as_ref().map_or(0, |s| s.cached_prompt as u32),
+            kv_transfer_us: 0,
         };
         self.cancelled.push((id, usage));
         true
@@ -615,6 +617,7 @@ impl Engine {
                 prompt_tokens: seq.prompt_len as u32,
                 completion_tokens: st.output.generated() as u32,
                 cached_tokens: seq.cached_prompt as u32,
+                kv_transfer_us: 0,
             };
             let id = st.id;
             self.out.events.push(SeqEvent {

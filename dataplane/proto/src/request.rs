@@ -230,6 +230,10 @@ pub struct Usage {
     pub completion_tokens: u32,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: u32,
+    /// Microseconds the prompt's KV took to move from a prefill worker (disaggregated
+    /// serving; 0 when the prompt was computed where it decoded).
+    #[serde(default)]
+    pub kv_transfer_us: u32,
 }
 
 /// The closed set of error classes, assigned near the cause; ingress renders them.

@@ -76,7 +76,12 @@ mod tests {
         let mut buf = Vec::new();
         let msg = Output::Finished {
             reason: FinishReason::Stop,
-            usage: Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 0 },
+            usage: Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2,
+                cached_tokens: 0,
+                ..Default::default()
+            },
         };
         encode(7, &msg, &mut buf).unwrap();
         encode(8, &msg, &mut buf).unwrap();
