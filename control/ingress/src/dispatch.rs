@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use kvx_proto::plane::WorkerRole;
 use kvx_proto::{GenerateRequest, Output, RequestId, WorkerId, WorkerMetrics};
 use kvx_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -39,6 +40,8 @@ pub struct WorkerState {
     pub id: WorkerId,
     /// Whether it is alive.
     pub alive: bool,
+    /// Its part in disaggregated serving.
+    pub role: WorkerRole,
     /// Its counters and load.
     pub metrics: WorkerMetrics,
 }

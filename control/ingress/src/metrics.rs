@@ -1,7 +1,8 @@
 //! `/metrics`: Prometheus (OpenMetrics text) with the `kvx_` prefix — requests by endpoint
 //! and status, TTFT / inter-token / end-to-end histograms, token counters, and per-worker and
 //! total queue depth, running requests, KV usage and prefix-cache hit rate, read from the
-//! workers at scrape time.
+//! workers at scrape time; each worker's role (`kvx_worker_role`) and the load of each role
+//! of disaggregated serving (`kvx_role_*`).
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -13,11 +14,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use kvx_proto::plane::WorkerRole;
+
 use crate::dispatch::WorkerState;
 
 type Labels2 = [(&'static str, &'static str); 2];
 type Labels1 = [(&'static str, &'static str); 1];
 type WorkerLabel = [(&'static str, String); 1];
+type RoleLabel = [(&'static str, String); 2];
 type GaugeF = Gauge<f64, AtomicU64>;
 
 /// Ingress metrics.
@@ -54,6 +58,12 @@ pub struct Metrics {
     worker_prefilled: Family<WorkerLabel, Counter>,
     worker_preemptions: Family<WorkerLabel, Counter>,
     worker_steps: Family<WorkerLabel, Counter>,
+    worker_prefill_queue: Family<WorkerLabel, Gauge>,
+    worker_role: Family<RoleLabel, Gauge>,
+    role_running: Family<Labels1, Gauge>,
+    role_waiting: Family<Labels1, Gauge>,
+    role_kv_active: Family<Labels1, Gauge>,
+    role_prefill_queue: Family<Labels1, Gauge>,
     running: Gauge,
     waiting: Gauge,
     kv_active: Gauge,
@@ -105,6 +115,13 @@ impl Metrics {
                 f
             }};
         }
+        macro_rules! role {
+            ($name:literal, $help:literal) => {{
+                let f = Family::<Labels1, Gauge>::default();
+                r.register($name, $help, f.clone());
+                f
+            }};
+        }
         macro_rules! one {
             ($name:literal, $help:literal, $t:ty) => {{
                 let g = <$t>::default();
@@ -133,6 +150,27 @@ impl Metrics {
             ),
             worker_preemptions: fam!("worker_preemptions", "Sequences preempted", Counter),
             worker_steps: fam!("worker_steps", "Engine steps run", Counter),
+            worker_prefill_queue: fam!(
+                "worker_prefill_queue_tokens",
+                "Prompt tokens admitted or waiting, not computed yet",
+                Gauge
+            ),
+            worker_role: {
+                let f = Family::<RoleLabel, Gauge>::default();
+                r.register(
+                    "worker_role",
+                    "1 for the worker's role (agg, prefill, decode)",
+                    f.clone(),
+                );
+                f
+            },
+            role_running: role!("role_running_requests", "Sequences computing, by role"),
+            role_waiting: role!("role_queue_depth", "Requests waiting for admission, by role"),
+            role_kv_active: role!("role_kv_blocks_active", "KV blocks in use, by role"),
+            role_prefill_queue: role!(
+                "role_prefill_queue_tokens",
+                "Prompt tokens not computed yet, by role"
+            ),
             running: one!("running_requests", "Sequences computing, all workers", Gauge),
             waiting: one!("queue_depth", "Requests waiting for admission, all workers", Gauge),
             kv_active: one!("kv_blocks_active", "KV blocks in use, all workers", Gauge),
@@ -176,9 +214,27 @@ impl Metrics {
         let _g = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
         let (mut run, mut wait, mut act, mut tot, mut up) = (0i64, 0i64, 0i64, 0i64, 0i64);
         let (mut prompt, mut cached) = (0u64, 0u64);
+        // Per role: running, waiting, active blocks, queued prompt tokens.
+        let mut by_role = [[0i64; 4]; 3];
         for w in workers {
             let l = [("worker", w.id.to_string())];
             let m = &w.metrics;
+            let ri = match w.role {
+                WorkerRole::Agg => 0,
+                WorkerRole::Prefill => 1,
+                WorkerRole::Decode => 2,
+            };
+            let r = &mut by_role[ri];
+            r[0] += i64::from(m.load.active_seqs);
+            r[1] += i64::from(m.load.waiting);
+            r[2] += i64::from(m.load.active_blocks);
+            r[3] += i64::from(m.load.queued_prefill_tokens);
+            self.worker_role
+                .get_or_create(&[("worker", w.id.to_string()), ("role", w.role.name().into())])
+                .set(1);
+            self.worker_prefill_queue
+                .get_or_create(&l)
+                .set(i64::from(m.load.queued_prefill_tokens));
             self.worker_up.get_or_create(&l).set(i64::from(w.alive));
             self.worker_running.get_or_create(&l).set(i64::from(m.load.active_seqs));
             self.worker_waiting.get_or_create(&l).set(i64::from(m.load.waiting));
@@ -211,6 +267,19 @@ impl Metrics {
         self.kv_usage.set(if tot > 0 { act as f64 / tot as f64 } else { 0.0 });
         self.hit_rate.set(if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 });
         self.workers_up.set(up);
+        for (ri, role) in
+            [WorkerRole::Agg, WorkerRole::Prefill, WorkerRole::Decode].iter().enumerate()
+        {
+            if !workers.iter().any(|w| w.role == *role) {
+                continue;
+            }
+            let l = [("role", role.name())];
+            let v = by_role[ri];
+            self.role_running.get_or_create(&l).set(v[0]);
+            self.role_waiting.get_or_create(&l).set(v[1]);
+            self.role_kv_active.get_or_create(&l).set(v[2]);
+            self.role_prefill_queue.get_or_create(&l).set(v[3]);
+        }
         let mut out = String::with_capacity(8192);
         // Writing into a String cannot fail.
         let _ = encode_registry(&mut out, &self.registry);
@@ -259,6 +328,7 @@ mod tests {
         let w = |id, active, prompt, cached| WorkerState {
             id,
             alive: true,
+            role: if id == 0 { WorkerRole::Prefill } else { WorkerRole::Decode },
             metrics: WorkerMetrics {
                 load: LoadReport {
                     worker_id: id,
@@ -288,6 +358,9 @@ mod tests {
             "kvx_worker_requests_finished_total{worker=\"1\"} 8",
             "kvx_worker_steps_total{worker=\"0\"} 0",
             "kvx_router_decisions 3",
+            "kvx_worker_role{worker=\"0\",role=\"prefill\"} 1",
+            "kvx_role_kv_blocks_active{role=\"decode\"} 4",
+            "kvx_role_running_requests{role=\"prefill\"} 1",
             "kvx_time_to_first_token_seconds_count 1",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");

@@ -356,7 +356,11 @@ impl Dispatcher for LocalPlane {
         d_req.kv = KvRole::AwaitKv;
         let d_rx = match s.submit_to(decode, d_req) {
             Ok(rx) => rx,
-            Err(_) => return self.submit_local(req, &blocks, None),
+            Err(_) => {
+                // The router placed it on `decode`; place it again among the others.
+                s.router().free(req.id);
+                return self.submit_local(req, &blocks, None);
+            }
         };
         let (client, rx) = output_channel();
         rt.spawn(disagg::relay(s.clone(), s.disagg, req, decode, d_rx, client));
@@ -380,6 +384,7 @@ impl Dispatcher for LocalPlane {
             .map(|h| WorkerState {
                 id: h.worker_id,
                 alive: h.shard.is_alive(),
+                role: h.role,
                 metrics: h.shard.status().metrics(),
             })
             .collect()

@@ -603,7 +603,7 @@ impl Dispatcher for RemotePlane {
         let mut v: Vec<WorkerState> = st
             .workers
             .iter()
-            .map(|(&id, w)| WorkerState { id, alive: true, metrics: w.metrics })
+            .map(|(&id, w)| WorkerState { id, alive: true, role: w.role, metrics: w.metrics })
             .collect();
         v.sort_by_key(|w| w.id);
         v
