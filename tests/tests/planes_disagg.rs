@@ -171,3 +171,90 @@ fn across_hosts_the_kv_moves_over_tcp_and_the_tokens_stay() {
     );
     assert!(bytes > 0.0);
 }
+
+/// The text and token log-probabilities of a completion (streamed or not).
+fn text_and_logprobs(events: &[Value]) -> (String, Vec<f64>, Option<String>) {
+    let (mut text, mut lps, mut err) = (String::new(), Vec::new(), None);
+    for ev in events {
+        if let Some(e) = ev.get("error") {
+            err = Some(e.to_string());
+        }
+        if let Some(c) = ev["choices"].get(0) {
+            text.push_str(c["text"].as_str().unwrap_or_default());
+            if let Some(a) = c["logprobs"]["token_logprobs"].as_array() {
+                lps.extend(a.iter().filter_map(Value::as_f64));
+            }
+        }
+    }
+    (text, lps, err)
+}
+
+fn stream_completion(
+    addr: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> (String, Vec<f64>, Option<String>) {
+    let body = json!({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let r = http(addr, "POST", "/v1/completions", &[], Some(body.to_string().as_bytes()));
+    assert_eq!(r.status, 200, "{}", r.text());
+    text_and_logprobs(&r.events())
+}
+
+fn run_all(
+    addr: &str,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+) -> Vec<(String, Vec<f64>, Option<String>)> {
+    let threads: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .map(|p| {
+            let addr = addr.to_string();
+            std::thread::spawn(move || stream_completion(&addr, &p, max_tokens))
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().expect("client")).collect()
+}
+
+/// 16 greedy streams of 256 tokens over two model workers; one is killed mid-run: every
+/// stream completes with no error, and its tokens and log-probabilities are those of an
+/// undisturbed run (the streams on the dead worker migrated with the tokens they had).
+#[test]
+fn streams_on_a_killed_worker_migrate_without_a_visible_error() {
+    let prompts: Vec<Vec<u32>> = (0..16).map(|i| prompt(24, 40 + i)).collect();
+    let agg = Served::start(&["--engine", "model", "--shards", "1"]);
+    let want = run_all(&agg.addr, &prompts, 256);
+    drop(agg);
+    assert!(want.iter().all(|w| w.1.len() == 256 && w.2.is_none()));
+    let f = Frontend::start(&FAST_HEARTBEAT);
+    let mut a = Worker::model(&f.workers, 100, &FAST_HEARTBEAT);
+    let _b = Worker::model(&f.workers, 200, &FAST_HEARTBEAT);
+    f.wait_workers(2);
+    let addr = f.addr.clone();
+    let ps = prompts.clone();
+    let clients = std::thread::spawn(move || run_all(&addr, &ps, 256));
+    // Kill worker 100 once its streams are well under way.
+    let generated = "kvx_worker_generated_tokens_total{worker=\"100\"}";
+    let end = Instant::now() + Duration::from_secs(120);
+    while f.metric(generated).unwrap_or(0.0) < 400.0 {
+        assert!(Instant::now() < end, "worker 100 generated too little");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    a.kill9();
+    let got = clients.join().expect("clients");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.2, None, "stream {i} saw an error");
+        assert_eq!(g.0, w.0, "stream {i}: text");
+        assert_eq!(g.1, w.1, "stream {i}: log-probabilities");
+    }
+    let migrated = f.metric("kvx_router_plane_requests_migrated_total").unwrap_or(0.0);
+    assert!(migrated >= 1.0, "no stream migrated");
+    eprintln!("{migrated} streams migrated");
+}

@@ -98,7 +98,11 @@ fn requests_succeed_and_a_shared_prefix_stays_on_one_worker() {
 fn a_killed_worker_loses_no_unstarted_request() {
     // Round-robin over two workers that run one request at a time: each gets three, runs
     // one and queues two.
-    let f = Frontend::start(&args(&[&FAST_HEARTBEAT, &["--router-mode", "round-robin"]]));
+    // Without migration, the started request fails (tests/planes_disagg.rs has migration).
+    let f = Frontend::start(&args(&[
+        &FAST_HEARTBEAT,
+        &["--router-mode", "round-robin", "--migration-limit", "0"],
+    ]));
     let one_at_a_time = ["--max-num-seqs", "1"];
     let mut a = Worker::mocker(&f.workers, 7000, &args(&[&FAST_HEARTBEAT, &one_at_a_time]));
     let _b = Worker::mocker(&f.workers, 8000, &args(&[&FAST_HEARTBEAT, &one_at_a_time]));

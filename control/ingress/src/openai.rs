@@ -487,6 +487,7 @@ impl Params {
             logprobs: self.logprobs.map(|n| n.max(1)),
             salt: None,
             kv: Default::default(),
+            resume: Vec::new(),
         })
     }
 }

@@ -35,12 +35,21 @@ async fn plane_with(
     heartbeat_timeout: Duration,
     disagg: DisaggConfig,
 ) -> (Arc<RemotePlane>, String) {
+    plane_cfg(heartbeat_timeout, disagg, RemotePlaneConfig::default().migration_limit).await
+}
+
+async fn plane_cfg(
+    heartbeat_timeout: Duration,
+    disagg: DisaggConfig,
+    migration_limit: u32,
+) -> (Arc<RemotePlane>, String) {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
     let cfg = RemotePlaneConfig {
         model: MODEL.into(),
         heartbeat: Duration::from_millis(50),
         heartbeat_timeout,
+        migration_limit,
         ..RemotePlaneConfig::default()
     };
     let router = RouterConfig { block_size: BS, ..RouterConfig::default() };
@@ -244,8 +253,8 @@ async fn an_unstarted_request_moves_when_its_worker_disappears() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_started_request_ends_with_unavailable_when_its_worker_disappears() {
-    let (p, addr) = plane(Duration::from_secs(2)).await;
+async fn without_migration_a_started_request_ends_with_unavailable_when_its_worker_disappears() {
+    let (p, addr) = plane_cfg(Duration::from_secs(2), DisaggConfig::default(), 0).await;
     let mut w = Scripted::join(&addr, 1).await;
     wait_for("the worker", || p.workers().len() == 1).await;
     let mut rx = p.submit(request(1, 3, 40, 5)).expect("submit");
@@ -424,4 +433,56 @@ async fn a_decode_worker_is_told_when_the_kv_is_in() {
     let (tokens, end) = collect(&mut rx, LONG).await;
     assert_eq!((tokens, end), (vec![3], End::Finished(FinishReason::Length)));
     assert_eq!(metric(&p, "kv_transfer_bytes_total"), 7000.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_request_migrates_with_the_tokens_its_client_has() {
+    let (p, addr) = plane(Duration::from_secs(2)).await;
+    let mut w = Scripted::join(&addr, 1).await;
+    wait_for("the worker", || p.workers().len() == 1).await;
+    let mut rx = p.submit(request(1, 3, 40, 5)).expect("submit");
+    let first: Submit = w.expect(kind::SUBMIT).await;
+    assert!(first.request.resume.is_empty());
+    w.output(RequestId(1), delta(42)).await;
+    w.output(RequestId(1), delta(43)).await;
+    let mut other = Scripted::join(&addr, 2).await;
+    wait_for("the second worker", || p.workers().len() == 2).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(w); // dies mid-stream
+    let s: Submit = other.expect(kind::SUBMIT).await;
+    assert_eq!((s.worker_id, s.request.id), (2, RequestId(1)));
+    assert_eq!(s.request.resume, [42, 43], "the tokens the client has");
+    assert_eq!(s.request.prompt, first.request.prompt);
+    for t in [44, 45, 46] {
+        other.output(RequestId(1), delta(t)).await;
+    }
+    let fin = Output::Finished {
+        reason: FinishReason::Length,
+        usage: kvx_proto::Usage { prompt_tokens: 40, completion_tokens: 5, ..Default::default() },
+    };
+    other.output(RequestId(1), fin).await;
+    let (tokens, end) = collect(&mut rx, LONG).await;
+    assert_eq!(tokens, [42, 43, 44, 45, 46], "one stream, nothing lost or doubled");
+    assert_eq!(end, End::Finished(FinishReason::Length));
+    assert_eq!(metric(&p, "plane_requests_migrated_total"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mock_stream_migrates_to_a_real_worker_and_ends_at_its_length() {
+    let (p, addr) = plane(Duration::from_secs(2)).await;
+    let mut w = Scripted::join(&addr, 1).await;
+    wait_for("the worker", || p.workers().len() == 1).await;
+    let mut rx = p.submit(request(9, 3, 40, 12)).expect("submit");
+    let _: Submit = w.expect(kind::SUBMIT).await;
+    for t in [7, 8, 9, 10] {
+        w.output(RequestId(9), delta(t)).await;
+    }
+    let real = RealWorker::join(&addr, 1, 50);
+    wait_for("the real worker", || p.workers().len() == 2).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(w);
+    let (tokens, end) = collect(&mut rx, LONG).await;
+    assert_eq!(&tokens[..4], [7, 8, 9, 10]);
+    assert_eq!((tokens.len(), end), (12, End::Finished(FinishReason::Length)));
+    real.stop().await.expect("stop");
 }

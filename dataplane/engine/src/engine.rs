@@ -403,7 +403,22 @@ impl Engine {
         let now = self.clock_ms();
         self.sched.release_quarantine(now);
         let max_tokens = req.stop.max_tokens as usize;
+        if !req.resume.is_empty() && req.resume.len() >= max_tokens {
+            return Err(EngineError::BadRequest(format!(
+                "a resumed request with {} generated tokens has none of its {max_tokens} left",
+                req.resume.len()
+            )));
+        }
+        if let Some(&t) = req.resume.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::BadRequest(format!(
+                "resumed token {t} is outside the vocabulary of {vocab}"
+            )));
+        }
         let (sid, admission) = match &req.kv {
+            KvRole::Local if !req.resume.is_empty() => (
+                self.sched.add_resumed(req.id, &req.prompt, &req.resume, max_tokens, seed),
+                Admission::Queued,
+            ),
             KvRole::Local => {
                 (self.sched.add(req.id, &req.prompt, max_tokens, seed), Admission::Queued)
             }
@@ -424,11 +439,18 @@ impl Engine {
         let sid = sid.map_err(class)?;
         self.seed_counter =
             self.seed_counter.wrapping_mul(6364136223846793005).wrapping_add(req.id.0 | 1);
+        let mut output = OutputState::new(req.stop.clone());
+        if output.replay(&req.resume, self.tokenizer.as_deref()).is_some() {
+            self.sched.remove(sid);
+            return Err(EngineError::BadRequest(
+                "the resumed tokens already end the request".into(),
+            ));
+        }
         self.states[sid] = Some(SeqState {
             id: req.id,
             sampler: SamplerState::new(&params, self.seed_counter),
             params,
-            output: OutputState::new(req.stop.clone()),
+            output,
             logprobs: req.logprobs,
             arrival: Instant::now(),
             counted_admission: false,

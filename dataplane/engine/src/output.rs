@@ -75,6 +75,20 @@ impl OutputState {
         None
     }
 
+    /// Replays tokens a client already received from an earlier placement of the request:
+    /// the detokenizer, the held text and the counts end where they were, and the text those
+    /// tokens released (which the client has) is dropped. `Some` if they already end it.
+    pub fn replay(&mut self, tokens: &[u32], tok: Option<&Tokenizer>) -> Option<FinishReason> {
+        let mut seen = String::new();
+        for &t in tokens {
+            if let Some(r) = self.on_token(t, tok, &mut seen) {
+                return Some(r);
+            }
+            seen.clear();
+        }
+        None
+    }
+
     /// Releases everything held (the request ends for another reason, e.g. cancellation).
     pub fn flush(&mut self, tok: Option<&Tokenizer>, out: &mut String) {
         if tok.is_some() {

@@ -301,6 +301,27 @@ impl Scheduler {
         Ok(sid)
     }
 
+    /// Queues a request that continues after `generated`, tokens it produced on another
+    /// worker: the prompt and those tokens are computed (the prompt's in their prompt modes,
+    /// the generated ones each in the single-token mode), then generation goes on;
+    /// `max_tokens` counts the generated ones.
+    pub fn add_resumed(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        generated: &[u32],
+        max_tokens: usize,
+        seed: u64,
+    ) -> Result<SeqId, AddError> {
+        let sid = self.new_sequence(id, prompt, max_tokens, seed, SeqKind::Generate)?;
+        for &t in generated {
+            self.append_token(sid, t);
+        }
+        self.waiting.push_back(sid);
+        self.new_waiting += 1;
+        Ok(sid)
+    }
+
     /// Queues a prefill-only request: its prompt but the last token is computed, then it is
     /// parked with its blocks ([`Scheduler::take_prefilled`] names it) until removed.
     pub fn add_prefill_only(

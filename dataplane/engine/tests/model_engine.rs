@@ -75,3 +75,53 @@ fn a_shared_prefix_is_not_recomputed() {
     assert_eq!(after.cached_tokens - before.cached_tokens, 992);
     assert_eq!(after.prefill_tokens - before.prefill_tokens, (b.len() - 992) as u64);
 }
+
+/// A request resumed after tokens it produced elsewhere (a migration) generates exactly the
+/// rest of what an undisturbed run gives, with the same log-probabilities, and counts the
+/// resumed tokens in its usage.
+#[test]
+fn a_resumed_request_continues_as_an_undisturbed_one() {
+    let model = common::model();
+    let mut e = common::engine(&model, 256, common::sched(64, true));
+    let prompt = &common::prompts()[5];
+    let mut whole = common::request(0, prompt, 24);
+    whole.logprobs = Some(1);
+    e.add(&whole).expect("add");
+    let (mut tokens, mut lps) = (Vec::new(), Vec::new());
+    while e.has_work() {
+        let out = e.step().expect("step");
+        for ev in out.events.iter().filter(|ev| ev.id == whole.id) {
+            if let Some(t) = ev.token {
+                tokens.push(t);
+                lps.push(ev.logprob);
+            }
+        }
+    }
+    assert_eq!(tokens.len(), 24);
+    for cut in [1, 9, 23] {
+        let mut e = common::engine(&model, 256, common::sched(64, true));
+        let mut resumed = common::request(1, prompt, 24);
+        resumed.logprobs = Some(1);
+        resumed.resume = tokens[..cut].to_vec();
+        e.add(&resumed).expect("add resumed");
+        let (mut got, mut got_lp, mut usage) = (Vec::new(), Vec::new(), None);
+        while e.has_work() {
+            let out = e.step().expect("step");
+            for ev in out.events.iter().filter(|ev| ev.id == resumed.id) {
+                if let Some(t) = ev.token {
+                    got.push(t);
+                    got_lp.push(ev.logprob);
+                }
+                if ev.finish.is_some() {
+                    usage = Some(ev.usage);
+                }
+            }
+        }
+        assert_eq!(got, tokens[cut..], "resumed after {cut} tokens");
+        assert_eq!(got_lp, lps[cut..], "log-probabilities after {cut} tokens");
+        assert_eq!(usage.map(|u| u.completion_tokens), Some(24));
+    }
+    let mut done = common::request(2, prompt, 4);
+    done.resume = tokens[..4].to_vec();
+    assert!(e.add(&done).is_err(), "nothing left to generate");
+}

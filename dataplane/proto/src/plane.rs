@@ -284,6 +284,7 @@ mod tests {
                 logprobs: None,
                 salt: Some("t".into()),
                 kv: KvRole::PrefillTo(KvDest { worker: 3, first_block: 2, blocks: vec![9, 4] }),
+                resume: Vec::new(),
             },
         };
         assert_eq!(round_trip(kind::SUBMIT, &sub), sub);

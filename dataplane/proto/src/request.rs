@@ -107,6 +107,12 @@ pub struct GenerateRequest {
     /// Its part in disaggregated serving (local by default).
     #[serde(default)]
     pub kv: KvRole,
+    /// Tokens the client already received from an earlier placement of this request (its
+    /// worker died mid-stream): the request continues after them, computing them as the
+    /// generated tokens they are (each in the single-token attention mode), so greedy
+    /// output is what an undisturbed run gives. `stop.max_tokens` still counts them.
+    #[serde(default)]
+    pub resume: Vec<TokenId>,
 }
 
 /// A request's part in disaggregated serving.

@@ -7,11 +7,15 @@
 //! and loads to the router) and a writer task (a bounded queue of frames out, and a heartbeat).
 //!
 //! A connection that closes, breaks, or stays silent past the heartbeat timeout is dead: its
-//! workers leave the router, and each of their requests that had not produced a token is
-//! placed again on another worker (transparently to its client); the others end with
-//! `Unavailable: worker … disappeared`. A worker that reports `Overloaded` or `Unavailable`
-//! for a request before its first token gets the request placed elsewhere too. Placements per
-//! request are bounded (`max_attempts`).
+//! workers leave the router, and each of their requests is placed again on another worker,
+//! transparently to its client: one that had not produced a token as it was (at most
+//! `max_attempts` placements), one that had *migrates* (at most `migration_limit` times) — it
+//! goes with the tokens its client already has ([`GenerateRequest::resume`]), which the new
+//! worker computes as generated tokens, so the stream goes on with neither a duplicated nor a
+//! lost token and greedy output stays what an undisturbed run gives. Past those limits the
+//! request ends with `Unavailable: worker … disappeared`. A worker that reports `Overloaded`
+//! or `Unavailable` for a request before its first token gets the request placed elsewhere
+//! too.
 //!
 //! Workers register a role. Prefill workers go into a router of their own, and requests
 //! worth it run disaggregated ([`crate::disagg`]): each decode worker's KV peer (its
@@ -60,8 +64,12 @@ pub struct RemotePlaneConfig {
     /// Frames queued per connection at most (a full queue makes the router try another
     /// worker, then refuse with `Overloaded`).
     pub conn_queue: usize,
-    /// Placements of one request at most (the first one and the retries).
+    /// Placements of one request at most before its first token (the first one and the
+    /// retries).
     pub max_attempts: u32,
+    /// Migrations of one request at most after its first token (0: none, the request ends
+    /// with an error when its worker dies).
+    pub migration_limit: u32,
 }
 
 impl Default for RemotePlaneConfig {
@@ -73,6 +81,7 @@ impl Default for RemotePlaneConfig {
             max_frame: wire::MAX_FRAME,
             conn_queue: 8192,
             max_attempts: 3,
+            migration_limit: 3,
         }
     }
 }
@@ -111,15 +120,35 @@ struct Retry {
 struct Inflight {
     worker: WorkerId,
     client: UnboundedSender<Output>,
-    /// Until the first token; then the request can no longer move.
+    /// How to place it again (`None`: legs of a disaggregated request, whose relay does).
     retry: Option<Retry>,
     attempts: u32,
+    /// Tokens its client has received (what a migration resumes after).
+    streamed: Vec<u32>,
+    /// Whether a token came (then it can only migrate).
+    started: bool,
+    migrations: u32,
+}
+
+impl Inflight {
+    fn new(worker: WorkerId, client: UnboundedSender<Output>, retry: Option<Retry>) -> Self {
+        Inflight {
+            worker,
+            client,
+            retry,
+            attempts: 1,
+            streamed: Vec::new(),
+            started: false,
+            migrations: 0,
+        }
+    }
 }
 
 /// Counters of the planes for `/metrics`.
 #[derive(Debug, Default, Clone, Copy)]
 struct Counters {
     placed_again: u64,
+    migrated: u64,
     failed_worker_lost: u64,
     workers_lost: u64,
 }
@@ -138,6 +167,7 @@ struct State {
     inflight: HashMap<RequestId, Inflight>,
     counters: Counters,
     max_attempts: u32,
+    migration_limit: u32,
 }
 
 struct Shared {
@@ -182,7 +212,7 @@ impl RemotePlane {
         let block_size = router.block_size;
         let prefill = Router::new(router.clone())?;
         let router = Router::new(router)?;
-        let max_attempts = cfg.max_attempts.max(1);
+        let (max_attempts, migration_limit) = (cfg.max_attempts.max(1), cfg.migration_limit);
         let shared = Arc::new(Shared {
             cfg,
             block_size,
@@ -198,6 +228,7 @@ impl RemotePlane {
                 inflight: HashMap::new(),
                 counters: Counters::default(),
                 max_attempts,
+                migration_limit,
             }),
             start: Instant::now(),
             next_conn: AtomicU64::new(1),
@@ -315,7 +346,8 @@ impl State {
     }
 
     /// Places a request again after its worker failed it (before its first token) or
-    /// disappeared; if it cannot move, its client gets `error`.
+    /// disappeared (before its first token, or after: a migration with the tokens its client
+    /// has); if it cannot move, its client gets `error`.
     fn move_or_fail(
         &mut self,
         id: RequestId,
@@ -325,15 +357,28 @@ impl State {
         error: Output,
     ) {
         self.router.free(id);
+        let may = if f.started {
+            f.migrations < self.migration_limit
+        } else {
+            f.attempts < self.max_attempts
+        };
         if let Some(retry) = f.retry.take()
-            && f.attempts < self.max_attempts
+            && may
         {
-            match self.place(&retry.req, &retry.blocks, now, exclude) {
+            let mut req = retry.req.clone();
+            req.resume.clone_from(&f.streamed);
+            match self.place(&req, &retry.blocks, now, exclude) {
                 Ok(w) => {
-                    tracing::info!(request = %id, from = f.worker, to = w, "request placed again");
-                    self.counters.placed_again += 1;
+                    if f.started {
+                        tracing::info!(request = %id, from = f.worker, to = w, tokens = f.streamed.len(), "request migrated");
+                        self.counters.migrated += 1;
+                        f.migrations += 1;
+                    } else {
+                        tracing::info!(request = %id, from = f.worker, to = w, "request placed again");
+                        self.counters.placed_again += 1;
+                        f.attempts += 1;
+                    }
                     f.worker = w;
-                    f.attempts += 1;
                     f.retry = Some(retry);
                     self.inflight.insert(id, f);
                     return;
@@ -342,6 +387,9 @@ impl State {
                     tracing::warn!(request = %id, error = %e, "request cannot be placed again")
                 }
             }
+        }
+        if f.started {
+            self.counters.failed_worker_lost += 1;
         }
         let _ = f.client.send(error);
     }
@@ -354,8 +402,12 @@ impl State {
         }
         match m.output {
             Output::Delta(d) => {
-                if f.retry.take().is_some() {
+                if !f.started {
+                    f.started = true;
                     self.router.mark_prefill_done(id);
+                }
+                if f.retry.is_some() {
+                    f.streamed.extend_from_slice(&d.tokens);
                 }
                 if f.client.send(Output::Delta(d)).is_err() {
                     // The client went away.
@@ -370,6 +422,7 @@ impl State {
             }
             Output::Error { class, message }
                 if f.retry.is_some()
+                    && !f.started
                     && matches!(class, ErrorClass::Overloaded | ErrorClass::Unavailable) =>
             {
                 let Some(f) = self.inflight.remove(&id) else { return };
@@ -490,9 +543,6 @@ impl State {
         for id in ids {
             let Some(f) = self.inflight.remove(&id) else { continue };
             let message = format!("worker {} disappeared", f.worker);
-            if f.retry.is_none() {
-                self.counters.failed_worker_lost += 1;
-            }
             self.move_or_fail(
                 id,
                 f,
@@ -552,8 +602,7 @@ impl RemotePlane {
         let _ = st.router.add_request(req.id, d.worker, blocks, d.overlap_blocks, now);
         // The decode worker will not compute the prompt: no prefill load there.
         st.router.mark_prefill_done(req.id);
-        st.inflight
-            .insert(req.id, Inflight { worker: d.worker, client: tx, retry: None, attempts: 1 });
+        st.inflight.insert(req.id, Inflight::new(d.worker, tx, None));
         drop(st);
         let (client, rx) = output_channel();
         tokio::spawn(disagg::relay(s.clone(), s.disagg, req.clone(), d.worker, d_rx, client));
@@ -579,10 +628,7 @@ impl Dispatcher for RemotePlane {
         let mut st = s.lock();
         let w = st.place(&req, &blocks, now, &[])?;
         let id = req.id;
-        st.inflight.insert(
-            id,
-            Inflight { worker: w, client: tx, retry: Some(Retry { req, blocks }), attempts: 1 },
-        );
+        st.inflight.insert(id, Inflight::new(w, tx, Some(Retry { req, blocks })));
         Ok(rx)
     }
 
@@ -614,6 +660,7 @@ impl Dispatcher for RemotePlane {
         let mut m = router_metrics(&st.router);
         m.push(("plane_workers", st.workers.len() as f64));
         m.push(("plane_requests_placed_again_total", st.counters.placed_again as f64));
+        m.push(("plane_requests_migrated_total", st.counters.migrated as f64));
         m.push(("plane_requests_failed_worker_lost_total", st.counters.failed_worker_lost as f64));
         m.push(("plane_workers_lost_total", st.counters.workers_lost as f64));
         if st.seen_prefill {
@@ -642,7 +689,7 @@ impl Legs for Shared {
         if !st.send_submit(w, &req) {
             return Err(DispatchError::Overloaded(format!("worker {w} cannot take it")));
         }
-        st.inflight.insert(id, Inflight { worker: w, client: tx, retry: None, attempts: 1 });
+        st.inflight.insert(id, Inflight::new(w, tx, None));
         Ok(rx)
     }
 

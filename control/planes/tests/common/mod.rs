@@ -26,6 +26,7 @@ pub fn request(id: u64, seed: u32, len: u32, max_tokens: u32) -> GenerateRequest
         logprobs: None,
         salt: None,
         kv: Default::default(),
+        resume: Vec::new(),
     }
 }
 

@@ -59,6 +59,7 @@ pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         logprobs: None,
         salt: None,
         kv: Default::default(),
+        resume: Vec::new(),
     }
 }
 

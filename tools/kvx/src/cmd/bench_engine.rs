@@ -55,6 +55,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
             logprobs: None,
             salt: None,
             kv: Default::default(),
+            resume: Vec::new(),
         };
         engine.add(&req)?;
         let start = Instant::now();

@@ -39,6 +39,10 @@ pub(crate) struct FrontendArgs {
     /// first token, it is placed again on another worker until this many tries.
     #[arg(long, env = "KVX_MAX_ATTEMPTS", default_value_t = 3)]
     max_attempts: u32,
+    /// Migrations of one request at most: when its worker dies or goes silent mid-stream, it
+    /// continues on another worker with the tokens its client has (0: it ends with an error).
+    #[arg(long, env = "KVX_MIGRATION_LIMIT", default_value_t = 3)]
+    migration_limit: u32,
     #[command(flatten)]
     router: RouterOpts,
     #[command(flatten)]
@@ -64,6 +68,7 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
         heartbeat: args.plane.heartbeat(),
         heartbeat_timeout: args.plane.heartbeat_timeout(),
         max_attempts: args.max_attempts.max(1),
+        migration_limit: args.migration_limit,
         ..RemotePlaneConfig::default()
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

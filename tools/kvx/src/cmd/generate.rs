@@ -190,6 +190,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
                 logprobs: None,
                 salt: None,
                 kv: Default::default(),
+                resume: Vec::new(),
             };
             engine.add(&req).map_err(|e| anyhow::anyhow!("prompt {next}: {e}"))?;
             by_id.insert(req.id, jobs.len());
