@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+pub mod etcd;
 pub mod netns;
 pub mod planes;
 pub mod serve;

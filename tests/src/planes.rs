@@ -160,6 +160,12 @@ impl Worker {
         Self::start_in(ns, &a, false)
     }
 
+    /// `kvx ARGS` (a `worker` command line), in network namespace `ns` when given; waits
+    /// for its listening address when ARGS have `--listen`.
+    pub fn with_args(ns: Option<&str>, args: &[&str]) -> Worker {
+        Self::start_in(ns, args, args.contains(&"--listen"))
+    }
+
     /// `kvx worker --listen 127.0.0.1:0 --engine mocker --worker-id ID ARGS`.
     pub fn mocker_listening(worker_id: u64, args: &[&str]) -> Worker {
         let id = worker_id.to_string();

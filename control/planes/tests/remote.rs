@@ -16,7 +16,7 @@ use kvx_proto::plane::{
 use kvx_proto::wire::{self, WireError};
 use kvx_proto::{ErrorClass, FinishReason, Output, OutputDelta, RequestId, WorkerId};
 use kvx_router::RouterConfig;
-use kvx_worker::remote::{Link, RemoteError};
+use kvx_worker::remote::{Link, Phase, RemoteError};
 use kvx_worker::{Hosted, RemoteConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -73,14 +73,14 @@ fn worker_cfg(block_size: usize) -> RemoteConfig {
 
 /// A worker process: `n` mock engines numbered from `first`, served over `link`.
 struct RealWorker {
-    stop: watch::Sender<bool>,
+    stop: watch::Sender<Phase>,
     task: JoinHandle<(Vec<Hosted>, Result<(), RemoteError>)>,
 }
 
 impl RealWorker {
     fn start(link: Link, n: usize, first: WorkerId, block_size: usize) -> RealWorker {
         let started = mock_shards(n, first, 100.0);
-        let (stop, rx) = watch::channel(false);
+        let (stop, rx) = watch::channel(Phase::Serving);
         let task =
             tokio::spawn(kvx_worker::remote::serve(worker_cfg(block_size), started, link, rx));
         RealWorker { stop, task }
@@ -93,14 +93,14 @@ impl RealWorker {
     /// Mock engines of one role, joining the plane at `addr`.
     fn with_role(addr: &str, role: WorkerRole, first: WorkerId) -> RealWorker {
         let started = common::mock_roles(&[role], first, 100.0);
-        let (stop, rx) = watch::channel(false);
+        let (stop, rx) = watch::channel(Phase::Serving);
         let link = Link::Connect(addr.to_string());
         let task = tokio::spawn(kvx_worker::remote::serve(worker_cfg(BS), started, link, rx));
         RealWorker { stop, task }
     }
 
     async fn stop(self) -> Result<(), RemoteError> {
-        let _ = self.stop.send(true);
+        let _ = self.stop.send(Phase::Stopping);
         let (shards, r) = self.task.await.expect("worker task");
         for h in shards {
             h.shard.shutdown(Duration::ZERO);

@@ -1,26 +1,28 @@
-//! The worker side of the remote planes: this process's shards joined to a frontend over one
-//! TCP connection (see [`kvx_proto::plane`] for the messages).
+//! The worker side of the remote planes: this process's shards joined to frontends over TCP
+//! (see [`kvx_proto::plane`] for the messages), one connection per frontend.
 //!
-//! [`serve`] connects to the frontend, registers every hosted shard as its own worker id and
-//! then, until shutdown:
+//! [`serve`] dials its frontend, or listens for any number of frontends (a static worker
+//! list, or etcd discovery), registers every hosted shard as its own worker id on each
+//! connection and then, until its [`Phase`] says stop:
 //!
-//! * runs the requests the frontend submits on their shard and streams each one's outputs
-//!   back (one small forwarding task per request; the socket's outgoing queue is bounded, so
-//!   a slow frontend slows the forwarders rather than growing memory);
-//! * relays the shards' [`ShardEvent`]s: KV events in batches (dropped when the queue is full:
-//!   the frontend sees the event-id gap and asks for a snapshot), first-token and finished
-//!   notes, snapshots;
+//! * runs the requests each frontend submits on their shard and streams each one's outputs
+//!   back to it (one small forwarding task per request; each socket's outgoing queue is
+//!   bounded, so a slow frontend slows its forwarders rather than growing memory);
+//! * relays the shards' [`ShardEvent`]s to every session: KV events in batches (dropped when a
+//!   session's queue is full: its frontend sees the event-id gap and asks for a snapshot),
+//!   first-token and finished notes, snapshots;
 //! * sends each shard's load when it changes (at most every `load_interval`) and a heartbeat
-//!   every `heartbeat`, and declares the frontend dead after `heartbeat_timeout` of silence.
+//!   every `heartbeat`, and declares a frontend dead after `heartbeat_timeout` of silence.
 //!
-//! When the connection is lost, the requests it carried are cancelled (their forwarders drop
-//! their output channels, which the shards notice at their next step), and the worker
-//! reconnects with exponential backoff and registers again; the frontend then asks each
-//! shard for a snapshot of its cached blocks.
+//! When a connection is lost, the requests it carried are cancelled (their forwarders drop
+//! their output channels, which the shards notice at their next step); a dialling worker
+//! reconnects with exponential backoff and registers again, and the frontend then asks each
+//! shard for a snapshot of its cached blocks. Draining refuses new requests (their frontend
+//! places them elsewhere) and ends once nothing runs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvx_proto::plane::{
@@ -153,12 +155,50 @@ struct Ctx {
     shards: Vec<Hosted>,
     by_id: HashMap<WorkerId, usize>,
     kv: Option<Arc<KvLink>>,
+    /// Requests being forwarded (all sessions).
+    inflight: AtomicUsize,
+    /// Sessions that want shard events.
+    subscribers: std::sync::Mutex<Vec<(u64, mpsc::Sender<ShardEvent>)>>,
+    next_session: AtomicU64,
+    phase: watch::Receiver<Phase>,
 }
 
 impl Ctx {
     fn shard(&self, w: WorkerId) -> Option<&ShardHandle> {
         self.by_id.get(&w).map(|&i| &self.shards[i].shard)
     }
+
+    /// A session's own stream of shard events.
+    fn subscribe(&self) -> (u64, mpsc::Receiver<ShardEvent>) {
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(self.cfg.event_queue.max(1));
+        self.subs().push((id, tx));
+        (id, rx)
+    }
+
+    fn unsubscribe(&self, id: u64) {
+        self.subs().retain(|(s, _)| *s != id);
+    }
+
+    fn subs(&self) -> std::sync::MutexGuard<'_, Vec<(u64, mpsc::Sender<ShardEvent>)>> {
+        self.subscribers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn draining(&self) -> bool {
+        *self.phase.borrow() != Phase::Serving
+    }
+}
+
+/// What a worker process is doing, as its owner says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Taking and running requests.
+    Serving,
+    /// Running what it has, taking nothing new (refused requests are placed elsewhere by
+    /// their frontend); [`serve`] returns when nothing runs.
+    Draining,
+    /// Stopping now: sessions end (their frontends migrate what still runs).
+    Stopping,
 }
 
 /// How a session ended.
@@ -169,19 +209,22 @@ enum End {
     Rejected { worker: WorkerId, reason: String },
 }
 
-/// Serves the `started` shards to the frontend met through `link` until `stop` turns true
-/// (or every shard stops). Returns the shards so the caller can shut them down.
+/// Serves the `started` shards to the frontends met through `link` until `phase` says
+/// stop (or drain, once nothing runs), or every shard stops. With [`Link::Listen`] any
+/// number of frontends may connect at once: each gets every shard registered, its own copy
+/// of the KV events (so each keeps its own index), and the outputs of the requests it sent.
+/// Returns the shards so the caller can shut them down.
 pub async fn serve(
     cfg: RemoteConfig,
     started: Started,
     link: Link,
-    mut stop: watch::Receiver<bool>,
+    phase: watch::Receiver<Phase>,
 ) -> (Vec<Hosted>, Result<(), RemoteError>) {
     let Started { shards, events, kv } = started;
     if shards.is_empty() {
         return (shards, Err(RemoteError::NoShards));
     }
-    let (ev_tx, mut ev_rx) = mpsc::channel(cfg.event_queue.max(1));
+    let (ev_tx, ev_rx) = mpsc::channel(cfg.event_queue.max(1));
     if let Err(e) = std::thread::Builder::new()
         .name("kvx-plane-events".into())
         .spawn(move || pump(events, ev_tx))
@@ -189,8 +232,24 @@ pub async fn serve(
         return (shards, Err(RemoteError::Thread(e)));
     }
     let by_id = shards.iter().enumerate().map(|(i, h)| (h.worker_id, i)).collect();
-    let ctx = Arc::new(Ctx { cfg, shards, by_id, kv });
-    let result = run(&ctx, &link, &mut ev_rx, &mut stop).await;
+    let ctx = Arc::new(Ctx {
+        cfg,
+        shards,
+        by_id,
+        kv,
+        inflight: AtomicUsize::new(0),
+        subscribers: std::sync::Mutex::new(Vec::new()),
+        next_session: AtomicU64::new(1),
+        phase,
+    });
+    let hub = tokio::spawn(fan_out(ctx.clone(), ev_rx));
+    let (end_tx, end_rx) = watch::channel(false);
+    let result = match &link {
+        Link::Connect(_) => dial(&ctx, &link, end_rx, &hub).await,
+        Link::Listen(l) => listen(&ctx, l, end_rx).await,
+    };
+    let _ = end_tx.send(true);
+    hub.abort();
     let shards = match Arc::try_unwrap(ctx) {
         Ok(ctx) => ctx.shards,
         Err(ctx) => {
@@ -212,18 +271,52 @@ pub async fn serve(
     (shards, result)
 }
 
-async fn run(
+/// Copies every shard event to every session (KV events to a full session are dropped:
+/// its frontend sees the id gap and asks for a snapshot). Ends when the shards stop.
+async fn fan_out(ctx: Arc<Ctx>, mut ev_rx: mpsc::Receiver<ShardEvent>) {
+    while let Some(e) = ev_rx.recv().await {
+        let subs: Vec<mpsc::Sender<ShardEvent>> =
+            ctx.subs().iter().map(|(_, t)| t.clone()).collect();
+        for tx in subs {
+            let _ = tx.try_send(e.clone());
+        }
+    }
+    ctx.subs().clear();
+}
+
+/// When the worker should stop: told to, or draining with nothing left to run.
+async fn should_end(ctx: &Ctx, end: &mut watch::Receiver<bool>) {
+    let mut phase = ctx.phase.clone();
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        let p = *phase.borrow();
+        if *end.borrow()
+            || p == Phase::Stopping
+            || (p == Phase::Draining && ctx.inflight.load(Ordering::SeqCst) == 0)
+        {
+            return;
+        }
+        tokio::select! {
+            _ = phase.changed() => {}
+            _ = end.changed() => {}
+            _ = tick.tick() => {}
+        }
+    }
+}
+
+/// One frontend at a time, dialled again after every loss.
+async fn dial(
     ctx: &Arc<Ctx>,
     link: &Link,
-    ev_rx: &mut mpsc::Receiver<ShardEvent>,
-    stop: &mut watch::Receiver<bool>,
+    mut end: watch::Receiver<bool>,
+    hub: &tokio::task::JoinHandle<()>,
 ) -> Result<(), RemoteError> {
     let cfg = &ctx.cfg;
     let mut backoff = cfg.reconnect_min;
     let mut warned = false;
     loop {
         let conn = tokio::select! {
-            _ = stop.wait_for(|s| *s) => return Ok(()),
+            _ = should_end(ctx, &mut end) => return Ok(()),
             c = link.open() => c,
         };
         match conn {
@@ -231,7 +324,7 @@ async fn run(
                 backoff = cfg.reconnect_min;
                 warned = false;
                 tracing::info!(frontend = %link.describe(), workers = ctx.shards.len(), "connected");
-                match session(ctx, stream, ev_rx, stop).await {
+                match session(ctx.clone(), stream, end.clone()).await {
                     End::Shutdown => return Ok(()),
                     End::ShardsStopped => {
                         tracing::warn!("every shard has stopped");
@@ -252,18 +345,60 @@ async fn run(
                 }
             }
         }
-        // Wait out the backoff; shard events meanwhile are dropped (the frontend asks for
-        // snapshots when the shards register again).
-        let until = tokio::time::Instant::now() + backoff;
-        loop {
-            tokio::select! {
-                _ = stop.wait_for(|s| *s) => return Ok(()),
-                _ = tokio::time::sleep_until(until) => break,
-                e = ev_rx.recv() => if e.is_none() { return Ok(()) },
-            }
+        if hub.is_finished() {
+            return Ok(());
+        }
+        // Wait out the backoff (the frontend asks for snapshots when the shards register
+        // again).
+        tokio::select! {
+            _ = should_end(ctx, &mut end) => return Ok(()),
+            _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(cfg.reconnect_max);
     }
+}
+
+/// Every frontend that connects, at once.
+async fn listen(
+    ctx: &Arc<Ctx>,
+    l: &tokio::net::TcpListener,
+    mut end: watch::Receiver<bool>,
+) -> Result<(), RemoteError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut sessions = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = should_end(ctx, &mut end) => break,
+            a = l.accept() => match a {
+                Ok((stream, peer)) => {
+                    tracing::info!(frontend = %peer, workers = ctx.shards.len(), "frontend connected");
+                    let (ctx, stop) = (ctx.clone(), stop_rx.clone());
+                    sessions.spawn(async move {
+                        let end = session(ctx, stream, stop).await;
+                        (peer, end)
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a frontend");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(done) = sessions.join_next() => match done {
+                Ok((peer, End::Lost(why))) => tracing::warn!(frontend = %peer, reason = %why, "connection lost"),
+                Ok((peer, End::Rejected { worker, reason })) => {
+                    tracing::warn!(frontend = %peer, worker, %reason, "a frontend refused this worker");
+                }
+                Ok((_, End::ShardsStopped)) => {
+                    tracing::warn!("every shard has stopped");
+                    break;
+                }
+                Ok((_, End::Shutdown)) | Err(_) => {}
+            },
+        }
+    }
+    let _ = stop_tx.send(true);
+    while sessions.join_next().await.is_some() {}
+    Ok(())
 }
 
 /// Relays shard events into the async side: KV events are dropped when the queue is full,
@@ -290,7 +425,14 @@ const WRITE_BATCH: usize = 256 << 10;
 /// KV events per frame at most.
 const KV_BATCH: usize = 512;
 
-async fn session(
+async fn session(ctx: Arc<Ctx>, stream: TcpStream, mut stop: watch::Receiver<bool>) -> End {
+    let (sub, mut ev_rx) = ctx.subscribe();
+    let end = session_loop(&ctx, stream, &mut ev_rx, &mut stop).await;
+    ctx.unsubscribe(sub);
+    end
+}
+
+async fn session_loop(
     ctx: &Arc<Ctx>,
     stream: TcpStream,
     ev_rx: &mut mpsc::Receiver<ShardEvent>,
@@ -334,6 +476,7 @@ async fn session(
         tokio::select! {
             r = &mut reader => break r.unwrap_or_else(|e| End::Lost(format!("reader: {e}"))),
             _ = stop.wait_for(|s| *s) => break End::Shutdown,
+            _ = should_stop(ctx) => break End::Shutdown,
             Some(Up(id, output)) = up_rx.recv() => put(kind::OUTPUT, &OutputMsg { id, output }, &mut buf),
             e = ev_rx.recv() => match e {
                 Some(e) => event(e, &mut kv, &mut buf),
@@ -366,6 +509,12 @@ async fn session(
     };
     reader.abort();
     end
+}
+
+/// Completes when the owner says stop.
+async fn should_stop(ctx: &Ctx) {
+    let mut phase = ctx.phase.clone();
+    let _ = phase.wait_for(|p| *p == Phase::Stopping).await;
 }
 
 fn put<T: serde::Serialize>(k: u8, msg: &T, buf: &mut Vec<u8>) {
@@ -462,11 +611,19 @@ async fn handle(ctx: &Arc<Ctx>, k: u8, payload: &[u8], up: &mpsc::Sender<Up>) ->
             let id = s.request.id;
             let refused = match ctx.shard(s.worker_id) {
                 None => Some((ErrorClass::Unavailable, format!("no worker {} here", s.worker_id))),
+                Some(_) if ctx.draining() => {
+                    Some((ErrorClass::Unavailable, "the worker is draining".to_string()))
+                }
                 Some(shard) => {
                     let (tx, rx) = crate::shard::output_channel();
                     match shard.submit(s.request, tx) {
                         Ok(()) => {
-                            tokio::spawn(forward(id, rx, up.clone(), ctx.cfg.synthetic_text));
+                            ctx.inflight.fetch_add(1, Ordering::SeqCst);
+                            let (c, up) = (ctx.clone(), up.clone());
+                            tokio::spawn(async move {
+                                forward(id, rx, up, c.cfg.synthetic_text).await;
+                                c.inflight.fetch_sub(1, Ordering::SeqCst);
+                            });
                             None
                         }
                         Err(SubmitError::Full) => {

@@ -60,6 +60,12 @@ pub(crate) const NEEDS: &[Need] = &[
         apt: "iproute2",
     },
     Need {
+        what: "etcd",
+        why: "discovery across hosts (control/discovery/tests, tests/tests/discovery.rs)",
+        probe: Probe::AnyCommand(&["etcd"]),
+        apt: "etcd-server",
+    },
+    Need {
         what: "python3 with venv and ensurepip",
         why: "the oracle's venv under .kvx/",
         probe: Probe::Python("import venv, ensurepip"),

@@ -45,6 +45,7 @@ use kvx_router::{RequestBlocks, Router, RouterConfig};
 use kvx_worker::output_channel;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+use tokio::sync::watch;
 
 use crate::PlaneError;
 use crate::disagg::{self, DisaggConfig, DisaggCounters, Legs, Local};
@@ -109,6 +110,8 @@ struct Worker {
     conn: u64,
     metrics: WorkerMetrics,
     role: WorkerRole,
+    /// Gone from discovery: out of routing, but what it runs goes on.
+    retired: bool,
 }
 
 /// What a request needs to be placed again.
@@ -241,7 +244,75 @@ impl RemotePlane {
     /// Connects to a worker process listening at `addr` (the static-list direction), and
     /// again whenever the connection is lost.
     pub fn dial(&self, addr: String) {
-        tokio::spawn(session::dial_loop(self.shared.clone(), addr));
+        let (keep, never) = watch::channel(false);
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let _keep = keep;
+            session::dial_loop(shared, addr, never).await;
+        });
+    }
+
+    /// Follows the fleet that discovery shows (inside a tokio runtime): dials each worker
+    /// process's endpoint as its first worker appears. A worker whose record is gone gets no
+    /// new request (a draining worker finishes what it runs; a dead one is dropped when its
+    /// connection closes or goes silent, its requests moving or migrating), and its process
+    /// is dialled no more once its last worker is gone.
+    pub fn follow(self: &Arc<Self>, mut fleet: mpsc::Receiver<kvx_discovery::FleetChange>) {
+        use kvx_discovery::FleetChange;
+        use std::collections::HashSet;
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let mut endpoints: HashMap<String, (HashSet<WorkerId>, watch::Sender<bool>)> =
+                HashMap::new();
+            let mut where_: HashMap<WorkerId, String> = HashMap::new();
+            while let Some(ch) = fleet.recv().await {
+                match ch {
+                    FleetChange::Up(r) => {
+                        if r.model != shared.cfg.model {
+                            tracing::warn!(worker = r.worker_id, model = %r.model, "discovered a worker of another model; ignored");
+                            continue;
+                        }
+                        if let Some(old) = where_.insert(r.worker_id, r.endpoint.clone())
+                            && old != r.endpoint
+                        {
+                            drop_worker(&mut endpoints, &old, r.worker_id);
+                        }
+                        let e = endpoints.entry(r.endpoint.clone()).or_insert_with(|| {
+                            tracing::info!(endpoint = %r.endpoint, "discovered a worker process");
+                            let (tx, rx) = watch::channel(false);
+                            tokio::spawn(session::dial_loop(
+                                shared.clone(),
+                                r.endpoint.clone(),
+                                rx,
+                            ));
+                            (HashSet::new(), tx)
+                        });
+                        e.0.insert(r.worker_id);
+                    }
+                    FleetChange::Down(id) => {
+                        shared.lock().retire(id);
+                        if let Some(ep) = where_.remove(&id) {
+                            drop_worker(&mut endpoints, &ep, id);
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Forgets worker `id` at `endpoint`; the endpoint's connection closes with its last worker.
+fn drop_worker(
+    endpoints: &mut HashMap<String, (std::collections::HashSet<WorkerId>, watch::Sender<bool>)>,
+    endpoint: &str,
+    id: WorkerId,
+) {
+    let Some((ids, cancel)) = endpoints.get_mut(endpoint) else { return };
+    ids.remove(&id);
+    if ids.is_empty() {
+        tracing::info!(%endpoint, "a worker process left discovery");
+        let _ = cancel.send(true);
+        endpoints.remove(endpoint);
     }
 }
 
@@ -264,9 +335,20 @@ impl State {
         }
     }
 
+    /// Takes a worker out of routing (gone from discovery): what it runs goes on.
+    fn retire(&mut self, w: WorkerId) {
+        if self.workers.get(&w).is_some_and(|x| !x.retired) {
+            tracing::info!(worker = w, "gone from discovery: no new requests");
+            self.router_of(w).remove_worker(w);
+            if let Some(x) = self.workers.get_mut(&w) {
+                x.retired = true;
+            }
+        }
+    }
+
     /// Whether requests can run disaggregated (prefill and decode workers are there).
     fn disaggregates(&self) -> bool {
-        let has = |r: WorkerRole| self.workers.values().any(|w| w.role == r);
+        let has = |r: WorkerRole| self.workers.values().any(|w| w.role == r && !w.retired);
         has(WorkerRole::Prefill) && has(WorkerRole::Decode)
     }
 
@@ -491,7 +573,8 @@ impl State {
             _ => self.router.add_worker(w),
         };
         self.seen_prefill |= role == WorkerRole::Prefill;
-        self.workers.insert(w, Worker { conn, metrics: WorkerMetrics::default(), role });
+        self.workers
+            .insert(w, Worker { conn, metrics: WorkerMetrics::default(), role, retired: false });
         if let Some(c) = self.conns.get_mut(&conn) {
             c.workers.push(w);
             tracing::info!(
@@ -641,7 +724,7 @@ impl Dispatcher for RemotePlane {
     }
 
     fn ready(&self) -> bool {
-        !self.shared.lock().workers.is_empty()
+        self.shared.lock().workers.values().any(|w| !w.retired)
     }
 
     fn workers(&self) -> Vec<WorkerState> {
@@ -649,7 +732,7 @@ impl Dispatcher for RemotePlane {
         let mut v: Vec<WorkerState> = st
             .workers
             .iter()
-            .map(|(&id, w)| WorkerState { id, alive: true, role: w.role, metrics: w.metrics })
+            .map(|(&id, w)| WorkerState { id, alive: !w.retired, role: w.role, metrics: w.metrics })
             .collect();
         v.sort_by_key(|w| w.id);
         v
@@ -658,7 +741,8 @@ impl Dispatcher for RemotePlane {
     fn router_metrics(&self) -> Vec<(&'static str, f64)> {
         let st = self.shared.lock();
         let mut m = router_metrics(&st.router);
-        m.push(("plane_workers", st.workers.len() as f64));
+        let serving = st.workers.values().filter(|w| !w.retired).count();
+        m.push(("plane_workers", serving as f64));
         m.push(("plane_requests_placed_again_total", st.counters.placed_again as f64));
         m.push(("plane_requests_migrated_total", st.counters.migrated as f64));
         m.push(("plane_requests_failed_worker_lost_total", st.counters.failed_worker_lost as f64));

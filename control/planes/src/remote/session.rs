@@ -17,16 +17,17 @@ use kvx_proto::wire::{self, WireError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::{Conn, Down, Shared, State};
 use crate::feed::{self, MAINTENANCE_PERIOD};
 
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    let (_keep, never) = watch::channel(false);
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                tokio::spawn(connection(shared.clone(), stream, peer));
+                tokio::spawn(connection(shared.clone(), stream, peer, never.clone()));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting a worker connection");
@@ -36,17 +37,27 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-pub(super) async fn dial_loop(shared: Arc<Shared>, addr: String) {
+/// Dials the worker process at `addr`, and again after every loss, until `cancel` turns
+/// true (a connection that is up then lives on until it closes or goes silent).
+pub(super) async fn dial_loop(
+    shared: Arc<Shared>,
+    addr: String,
+    mut cancel: watch::Receiver<bool>,
+) {
     let mut backoff = Duration::from_millis(100);
     let mut warned = false;
-    loop {
-        match TcpStream::connect(&addr).await {
+    while !*cancel.borrow() {
+        let dialled = tokio::select! {
+            _ = cancel.wait_for(|c| *c) => return,
+            d = TcpStream::connect(&addr) => d,
+        };
+        match dialled {
             Ok(stream) => {
                 backoff = Duration::from_millis(100);
                 warned = false;
                 let peer =
                     stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-                connection(shared.clone(), stream, peer).await;
+                connection(shared.clone(), stream, peer, cancel.clone()).await;
             }
             Err(e) => {
                 if !warned {
@@ -55,19 +66,28 @@ pub(super) async fn dial_loop(shared: Arc<Shared>, addr: String) {
                 }
             }
         }
-        tokio::time::sleep(backoff).await;
+        tokio::select! {
+            _ = cancel.wait_for(|c| *c) => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
 /// Serves one worker connection until it dies.
-async fn connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+async fn connection(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    mut cancel: watch::Receiver<bool>,
+) {
     let _ = stream.set_nodelay(true);
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::channel(shared.cfg.conn_queue.max(1));
     shared.lock().conns.insert(conn, Conn { tx, workers: Vec::new(), peer });
     let (rd, wr) = stream.into_split();
     let mut writer = tokio::spawn(write_loop(wr, rx, shared.cfg.heartbeat));
+    let _ = &mut cancel; // ends the dialling, not this connection (see `RemotePlane::follow`)
     let why = tokio::select! {
         why = read_loop(&shared, conn, rd) => why,
         w = &mut writer => match w {

@@ -13,6 +13,7 @@ use kvx_planes::{RemotePlane, RemotePlaneConfig};
 use kvx_worker::ModelMeta;
 
 use super::Runtime;
+use super::discovery_opts::DiscoveryOpts;
 use super::http_opts::{HttpOpts, created_now, shutdown_signal};
 use super::router_opts::{DisaggOpts, RouterOpts};
 use super::worker::PlaneOpts;
@@ -48,6 +49,8 @@ pub(crate) struct FrontendArgs {
     #[command(flatten)]
     disagg: DisaggOpts,
     #[command(flatten)]
+    discovery: DiscoveryOpts,
+    #[command(flatten)]
     plane: PlaneOpts,
 }
 
@@ -82,6 +85,9 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
         let plane = RemotePlane::with_disagg(remote, router, args.disagg.config(), listener)?;
         for w in &args.workers {
             plane.dial(w.clone());
+        }
+        if let Some((etcd, cfg)) = args.discovery.etcd()? {
+            plane.follow(kvx_discovery::watch_fleet(etcd, &cfg));
         }
         let dispatcher: Arc<dyn Dispatcher> = plane;
         let server = Server::bind(cfg, model, dispatcher).await?;

@@ -14,6 +14,7 @@ mod bench;
 mod bench_config;
 mod bench_engine;
 mod bench_xfer;
+mod discovery_opts;
 mod engine;
 mod frontend;
 mod generate;

@@ -10,10 +10,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use kvx_proto::plane::WorkerRole;
-use kvx_worker::remote::Link;
+use kvx_worker::remote::{Link, Phase};
 use kvx_worker::{EngineKind, MockerSetup, RemoteConfig};
 
 use super::Runtime;
+use super::discovery_opts::{DiscoveryOpts, records};
 use super::engine::EngineOpts;
 use super::http_opts::{served_name, shutdown_signal};
 use super::router_opts::DisaggOpts;
@@ -111,9 +112,16 @@ pub(crate) struct WorkerArgs {
     /// Mocker: longest prompt + output.
     #[arg(long, env = "KVX_MOCKER_MAX_MODEL_LEN", default_value_t = 8192)]
     mocker_max_model_len: usize,
-    /// Seconds running requests get to finish when the worker stops.
+    /// Seconds running requests get to finish when the worker stops (SIGTERM: it leaves
+    /// discovery, takes nothing new, finishes what runs; what is left then migrates).
     #[arg(long, env = "KVX_SHUTDOWN_GRACE", default_value_t = 5.0)]
     shutdown_grace: f64,
+    /// The address frontends dial, published in discovery (default: the `--listen`
+    /// address as bound).
+    #[arg(long, env = "KVX_ADVERTISE")]
+    advertise: Option<String>,
+    #[command(flatten)]
+    discovery: DiscoveryOpts,
     #[command(flatten)]
     plane: PlaneOpts,
     #[command(flatten)]
@@ -155,6 +163,17 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         max_model_len: Some(args.mocker_max_model_len),
     };
     let (n, first) = (setup.engines, setup.first_worker_id);
+    let fingerprint = match &setup.model {
+        Some(p) => {
+            let len = std::fs::metadata(p).map_or(0, |m| m.len());
+            format!("{}:{len}", p.file_name().and_then(|f| f.to_str()).unwrap_or("model"))
+        }
+        None => "mocker".to_string(),
+    };
+    let etcd = args.discovery.etcd()?;
+    if etcd.is_some() && args.listen.is_none() {
+        bail!("--discovery etcd needs --listen ADDR (the address frontends dial)");
+    }
     let prepared = setup.prepare()?;
     let started = prepared.start()?;
     let cfg = RemoteConfig {
@@ -169,20 +188,41 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (phase_tx, phase_rx) = tokio::sync::watch::channel(Phase::Serving);
     let (frontend, listen) = (args.frontend.clone(), args.listen);
+    let grace = Duration::from_secs_f64(args.shutdown_grace);
+    let block_size = prepared.block_size();
     let (hosted, result) = runtime.block_on(async move {
+        let mut endpoint = String::new();
         let link = match (frontend, listen) {
             (_, Some(addr)) => {
                 let l = tokio::net::TcpListener::bind(addr)
                     .await
                     .with_context(|| format!("listening on {addr}"))?;
                 let bound = l.local_addr()?;
+                endpoint = args.advertise.clone().unwrap_or_else(|| bound.to_string());
                 say(&format!("listening for a frontend at {bound}"));
                 Link::Listen(l)
             }
             (Some(f), None) => Link::Connect(f),
             (None, None) => bail!("give --frontend ADDR or --listen ADDR"),
+        };
+        let registrar = match etcd {
+            Some((client, cfg)) => {
+                if endpoint.is_empty() {
+                    bail!("--discovery etcd publishes where frontends dial: give --listen ADDR");
+                }
+                if endpoint.starts_with("0.0.0.0") || endpoint.starts_with("[::]") {
+                    bail!("listening on every address: give --advertise HOST:PORT for discovery");
+                }
+                let recs = records(&started.shards, &endpoint, &name, &fingerprint, block_size);
+                let mut r = kvx_discovery::Registrar::start(client, &cfg, recs);
+                if !r.wait_registered(Duration::from_secs(10)).await {
+                    eprintln!("kvx: not registered in etcd yet; serving, and still trying");
+                }
+                Some(r)
+            }
+            None => None,
         };
         say(&format!(
             "kvx: worker serving {name} with {n} {} engine(s) ({} role), worker ids {first}..={}",
@@ -192,11 +232,16 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         ));
         tokio::spawn(async move {
             shutdown_signal().await;
-            let _ = stop_tx.send(true);
+            // Drain: out of discovery first, then nothing new, then what runs finishes.
+            if let Some(r) = registrar {
+                r.withdraw().await;
+            }
+            let _ = phase_tx.send(Phase::Draining);
+            tokio::time::sleep(grace).await;
+            let _ = phase_tx.send(Phase::Stopping);
         });
-        anyhow::Ok(kvx_worker::remote::serve(cfg, started, link, stop_rx).await)
+        anyhow::Ok(kvx_worker::remote::serve(cfg, started, link, phase_rx).await)
     })?;
-    let grace = Duration::from_secs_f64(args.shutdown_grace);
     for h in &hosted {
         h.shard.begin_shutdown(grace);
     }
