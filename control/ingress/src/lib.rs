@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod openai;
 pub mod render;
 pub mod server;
+mod tier_metrics;
 
 pub use dispatch::{DispatchError, Dispatcher, ModelInfo, WorkerState};
 pub use error::{ApiError, IngressError};

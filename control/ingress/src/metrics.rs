@@ -2,7 +2,8 @@
 //! and status, TTFT / inter-token / end-to-end histograms, token counters, and per-worker and
 //! total queue depth, running requests, KV usage and prefix-cache hit rate, read from the
 //! workers at scrape time; each worker's role (`kvx_worker_role`) and the load of each role
-//! of disaggregated serving (`kvx_role_*`).
+//! of disaggregated serving (`kvx_role_*`); the KV tiers of each worker (`kvx_worker_kv_*`,
+//! [`crate::tier_metrics`]).
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -17,6 +18,7 @@ use prometheus_client::registry::Registry;
 use kvx_proto::plane::WorkerRole;
 
 use crate::dispatch::WorkerState;
+use crate::tier_metrics::TierFamilies;
 
 type Labels2 = [(&'static str, &'static str); 2];
 type Labels1 = [(&'static str, &'static str); 1];
@@ -71,6 +73,7 @@ pub struct Metrics {
     kv_usage: GaugeF,
     hit_rate: GaugeF,
     workers_up: Gauge,
+    tiers: TierFamilies,
     scrape: Mutex<()>,
 }
 
@@ -182,6 +185,7 @@ impl Metrics {
                 GaugeF
             ),
             workers_up: one!("workers_up", "Workers running", Gauge),
+            tiers: TierFamilies::register(&mut r),
             registry: r,
             requests,
             finished,
@@ -242,6 +246,7 @@ impl Metrics {
             self.worker_kv_total.get_or_create(&l).set(i64::from(m.load.total_blocks));
             self.worker_kv_usage.get_or_create(&l).set(f64::from(m.load.kv_usage()));
             self.worker_hit_rate.get_or_create(&l).set(m.prefix_hit_rate());
+            self.tiers.set(w.id, &m.tiers);
             // The worker's own totals since it started (a restarted worker starts again at 0).
             for (f, v) in [
                 (&self.worker_finished, m.finished),

@@ -19,17 +19,21 @@ pub fn apply_kv(r: &mut Router, ev: &KvEvent) -> Option<WorkerId> {
     }
 }
 
-/// Rebuilds a worker's part of the index from its snapshot of device blocks
-/// (`(parent, block)`, parents first) taken after event `last_event_id`.
+/// Rebuilds a worker's part of the index from its snapshot taken after event
+/// `last_event_id`: the blocks of its pool (`(parent, block)`, parents first) and those of
+/// its lower tiers (`(tier, parent, block)`).
 pub fn resync_from(
     r: &mut Router,
     worker: WorkerId,
     last_event_id: u64,
     blocks: Vec<(Option<SequenceHash>, StoredBlock)>,
+    lower: Vec<(StorageTier, Option<SequenceHash>, StoredBlock)>,
 ) {
     let blocks: Vec<SnapshotBlock> = blocks
         .into_iter()
-        .map(|(parent, block)| SnapshotBlock { tier: StorageTier::Device, parent, block })
+        .map(|(parent, block)| (StorageTier::Device, parent, block))
+        .chain(lower)
+        .map(|(tier, parent, block)| SnapshotBlock { tier, parent, block })
         .collect();
     if let Err(e) = r.resync(worker, last_event_id, &blocks) {
         tracing::warn!(worker, error = %e, "resync failed");
@@ -115,7 +119,13 @@ mod tests {
         assert_eq!(apply_kv(&mut r, &stored(7, 1, 11)), None);
         assert_eq!(apply_kv(&mut r, &stored(7, 3, 12)), Some(7));
         assert_eq!(maintain(&mut r, Duration::ZERO), vec![7]);
-        resync_from(&mut r, 7, 3, vec![(None, block(11))]);
+        resync_from(
+            &mut r,
+            7,
+            3,
+            vec![(None, block(11))],
+            vec![(StorageTier::Disk, None, block(9))],
+        );
         assert!(maintain(&mut r, Duration::ZERO).is_empty());
         assert_eq!(apply_kv(&mut r, &stored(7, 4, 13)), None);
     }

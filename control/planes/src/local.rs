@@ -197,9 +197,9 @@ fn feed(s: &Shared, events: &Receiver<ShardEvent>) {
                     ShardEvent::Finished { worker_id, id } => {
                         s.router_of(worker_id).free(id);
                     }
-                    ShardEvent::Snapshot { worker_id, last_event_id, blocks } => {
+                    ShardEvent::Snapshot { worker_id, last_event_id, blocks, lower } => {
                         let mut r = s.router_of(worker_id);
-                        feed::resync_from(&mut r, worker_id, last_event_id, blocks);
+                        feed::resync_from(&mut r, worker_id, last_event_id, blocks, lower);
                     }
                 }
             }

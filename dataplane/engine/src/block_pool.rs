@@ -8,6 +8,10 @@
 //!   reused by a later request; it sits in the LRU and is evicted (oldest first) only when
 //!   the free stack is empty.
 //!
+//! A registered block may also be *pinned* by the engine's owner while something outside
+//! the engine reads it (a copy to a lower KV tier): a pin is a reference like a sequence's,
+//! counted apart so that the bookkeeping can tell them from each other.
+//!
 //! Every registration and eviction is recorded as a KV event record; the owner drains them.
 //! Nothing here allocates after construction except the event buffer growing past its
 //! reserved capacity.
@@ -26,6 +30,8 @@ const NIL: u32 = u32::MAX;
 pub enum BlockEvent {
     /// A block was registered (its content is reusable).
     Stored {
+        /// The block (its content stays as it is while it is registered).
+        block: BlockId,
         /// Sequence hash of the block.
         seq_hash: SequenceHash,
         /// Local hash.
@@ -64,6 +70,8 @@ pub struct BlockPool {
     lru_tail: u32,
     lru_len: usize,
     free: Vec<BlockId>,
+    /// Pins per block (included in `refcnt`).
+    pins: Vec<u32>,
     cache: HashMap<SequenceHash, BlockId>,
     events: Vec<BlockEvent>,
     stats: PoolStats,
@@ -84,6 +92,7 @@ impl BlockPool {
             lru_tail: NIL,
             lru_len: 0,
             free: (0..n as u32).rev().collect(),
+            pins: vec![0; n],
             cache: HashMap::with_capacity(n),
             events: Vec::with_capacity(2 * n + 64),
             stats: PoolStats::default(),
@@ -170,8 +179,43 @@ impl BlockPool {
         self.hash[b as usize] = Some(seq_hash);
         self.local[b as usize] = local_hash;
         self.parent[b as usize] = parent;
-        self.events.push(BlockEvent::Stored { seq_hash, local_hash, parent });
+        self.events.push(BlockEvent::Stored { block: b, seq_hash, local_hash, parent });
         true
+    }
+
+    /// Pins a registered block (active or cached) so that it keeps its content until
+    /// [`unpin`](Self::unpin): false for a block that is not registered (its content may
+    /// change) or out of range.
+    pub fn pin(&mut self, b: BlockId) -> bool {
+        let i = b as usize;
+        if i >= self.capacity() || self.hash[i].is_none() {
+            return false;
+        }
+        if self.refcnt[i] == 0 {
+            self.lru_remove(b);
+        }
+        self.refcnt[i] += 1;
+        self.pins[i] += 1;
+        true
+    }
+
+    /// Drops a pin taken by [`pin`](Self::pin) (a block without pins is left alone).
+    pub fn unpin(&mut self, b: BlockId) {
+        let i = b as usize;
+        if i < self.capacity() && self.pins[i] > 0 {
+            self.pins[i] -= 1;
+            self.release(b);
+        }
+    }
+
+    /// Pins held on `b`.
+    pub fn pins(&self, b: BlockId) -> u32 {
+        self.pins.get(b as usize).copied().unwrap_or(0)
+    }
+
+    /// The sequence hash a block is registered under.
+    pub fn hash_of(&self, b: BlockId) -> Option<SequenceHash> {
+        self.hash.get(b as usize).copied().flatten()
     }
 
     /// Drops one reference to `b`. A block nobody holds becomes cached (if registered) or free.
@@ -358,6 +402,7 @@ mod tests {
         assert!(!p.contains(h(2)));
         let mut ev = Vec::new();
         p.drain_events(|e| ev.push(e));
+        assert!(matches!(ev[0], BlockEvent::Stored { block, .. } if block == a));
         assert_eq!(ev.last(), Some(&BlockEvent::Removed { seq_hash: h(2) }));
         assert_eq!(ev.iter().filter(|e| matches!(e, BlockEvent::Stored { .. })).count(), 2);
         p.check_invariants().unwrap();
@@ -390,5 +435,24 @@ mod tests {
         p.release(a);
         assert_eq!(p.allocate(), Some(a), "evicted once idle");
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_pinned_block_keeps_its_content_until_unpinned() {
+        let mut p = BlockPool::new(2);
+        let a = p.allocate().unwrap();
+        assert!(!p.pin(a), "an unregistered block cannot be pinned");
+        p.register(a, h(1), LocalBlockHash(1), None);
+        p.release(a);
+        assert!(p.pin(a), "a cached idle block can");
+        assert_eq!((p.refcount(a), p.pins(a), p.cached_idle()), (1, 1, 0));
+        let b = p.allocate().unwrap();
+        assert_ne!(b, a);
+        assert_eq!(p.allocate(), None, "the pinned block is not evicted");
+        p.unpin(a);
+        p.unpin(a); // no pin left: nothing happens
+        assert_eq!((p.refcount(a), p.cached_idle()), (0, 1));
+        p.check_invariants().unwrap();
+        assert_eq!(p.allocate(), Some(a));
     }
 }

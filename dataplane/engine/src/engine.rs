@@ -14,9 +14,9 @@ use kvx_kernels::cpu::Kernels;
 use kvx_kernels::model::{KvCache, KvMemory, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::KvRole;
-use kvx_proto::hashing::seed_for;
+use kvx_proto::hashing::{BlockHasher, seed_for};
 use kvx_proto::{
-    FinishReason, GenerateRequest, LoadReport, RequestId, TopLogprob, Usage, WorkerId,
+    FinishReason, GenerateRequest, LoadReport, RequestId, SequenceHash, TopLogprob, Usage, WorkerId,
 };
 use kvx_tokenizer::Tokenizer;
 
@@ -155,8 +155,9 @@ pub struct SeqEvent {
 pub enum Admission {
     /// Queued for admission.
     Queued,
-    /// Reserved for KV from a prefill engine ([`KvRole::AwaitKv`]): the prompt's block
-    /// `first_block` on (those before are cached here) goes into `blocks`.
+    /// Reserved for KV from a prefill engine ([`KvRole::AwaitKv`]) or a lower KV tier
+    /// ([`Engine::onboard`]): the prompt's block `first_block` on (those before are cached
+    /// here) goes into `blocks`.
     Reserved {
         /// Index of the first block to receive.
         first_block: usize,
@@ -359,6 +360,60 @@ impl Engine {
 
     /// Queues a request (or, for [`KvRole::AwaitKv`], reserves its blocks).
     pub fn add(&mut self, req: &GenerateRequest) -> Result<Admission, EngineError> {
+        self.add_inner(req, None)
+    }
+
+    /// Takes a request whose prompt's first `blocks` full blocks (those the prefix cache
+    /// holds, then those a lower KV tier holds) are to be loaded rather than computed: its
+    /// blocks for them are reserved and it waits for [`Engine::onboarded`]
+    /// ([`Admission::Reserved`] names the blocks to fill), or, without room now, it is queued
+    /// as [`Engine::add`] would ([`Admission::NotReserved`]). Only for [`KvRole::Local`]
+    /// requests that do not resume.
+    pub fn onboard(
+        &mut self,
+        req: &GenerateRequest,
+        blocks: usize,
+    ) -> Result<Admission, EngineError> {
+        if !matches!(req.kv, KvRole::Local) || !req.resume.is_empty() {
+            return Err(EngineError::BadRequest("only new local requests load KV".into()));
+        }
+        self.add_inner(req, Some(blocks))
+    }
+
+    /// The first `tokens` of a request taken by [`Engine::onboard`] are loaded (fewer than
+    /// asked when a load failed part-way): it computes the rest of its prompt, and the loaded
+    /// tokens count as cached. False if it was not loading.
+    pub fn onboarded(&mut self, id: RequestId, tokens: usize) -> bool {
+        self.by_id.get(&id).is_some_and(|&sid| self.sched.kv_arrived_upto(sid, tokens))
+    }
+
+    /// The block hashes of a prompt as the prefix cache keys them (`salt` as the request's).
+    pub fn prompt_hashes(&self, prompt: &[u32], salt: Option<&str>) -> Vec<SequenceHash> {
+        let mut h = BlockHasher::new(self.cfg.sched.block_size, seed_for(salt, None));
+        prompt.iter().filter_map(|&t| h.push(t)).map(|(_, s)| s).collect()
+    }
+
+    /// The leading blocks of `hashes` that the prefix cache holds now.
+    pub fn cached_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        self.sched.cached_prefix(hashes)
+    }
+
+    /// Pins a registered block so that its content stays while something reads it (a copy
+    /// to a lower tier); false if it is not registered.
+    pub fn pin_block(&mut self, b: u32) -> bool {
+        self.sched.pool_mut().pin(b)
+    }
+
+    /// Drops a pin taken by [`Engine::pin_block`].
+    pub fn unpin_block(&mut self, b: u32) {
+        self.sched.pool_mut().unpin(b);
+    }
+
+    fn add_inner(
+        &mut self,
+        req: &GenerateRequest,
+        onboard: Option<usize>,
+    ) -> Result<Admission, EngineError> {
         if self.by_id.contains_key(&req.id) {
             return Err(EngineError::BadRequest(format!(
                 "request id {} is already in use",
@@ -414,18 +469,32 @@ impl Engine {
                 "resumed token {t} is outside the vocabulary of {vocab}"
             )));
         }
-        let (sid, admission) = match &req.kv {
-            KvRole::Local if !req.resume.is_empty() => (
+        let (sid, admission) = match (&req.kv, onboard) {
+            (KvRole::Local, Some(blocks)) => {
+                match self.sched.reserve_prefix(req.id, &req.prompt, max_tokens, seed, blocks) {
+                    Ok(Some(sid)) => {
+                        let (first_block, blocks) = self.sched.reserved(sid).unwrap_or((0, &[]));
+                        (Ok(sid), Admission::Reserved { first_block, blocks: blocks.to_vec() })
+                    }
+                    Ok(None) => (
+                        self.sched.add(req.id, &req.prompt, max_tokens, seed),
+                        Admission::NotReserved,
+                    ),
+                    Err(e) => (Err(e), Admission::Queued),
+                }
+            }
+            (KvRole::Local, _) if !req.resume.is_empty() => (
                 self.sched.add_resumed(req.id, &req.prompt, &req.resume, max_tokens, seed),
                 Admission::Queued,
             ),
-            KvRole::Local => {
+            (KvRole::Local, None) => {
                 (self.sched.add(req.id, &req.prompt, max_tokens, seed), Admission::Queued)
             }
-            KvRole::PrefillTo(_) => {
+            (KvRole::PrefillTo(_), _) => {
                 (self.sched.add_prefill_only(req.id, &req.prompt, seed), Admission::Queued)
             }
-            KvRole::AwaitKv => match self.sched.reserve(req.id, &req.prompt, max_tokens, seed) {
+            (KvRole::AwaitKv, _) => match self.sched.reserve(req.id, &req.prompt, max_tokens, seed)
+            {
                 Ok(Some(sid)) => {
                     let (first_block, blocks) = self.sched.reserved(sid).unwrap_or((0, &[]));
                     (Ok(sid), Admission::Reserved { first_block, blocks: blocks.to_vec() })

@@ -19,6 +19,11 @@
 //! [`SeqKind::PrefillOnly`] sequence whose prompt (but its last token) is computed, holding
 //! its blocks until the transfer is done and the engine removes it.
 //!
+//! KV tiers below the pool use the same parking: a request whose prompt prefix lies in host
+//! memory or on disk is [`reserve_prefix`](Scheduler::reserve_prefix)d with blocks for that
+//! prefix, parked while the blocks are loaded, and runs from the end of what arrived
+//! ([`kv_arrived_upto`](Scheduler::kv_arrived_upto)); loaded tokens count as cached.
+//!
 //! The scheduler knows nothing about models, threads or sockets: the engine calls
 //! `schedule`, runs the forward pass, then `commit` and `append_token`. After construction it
 //! allocates only when a request arrives (its token and block vectors, sized for its whole
@@ -105,8 +110,11 @@ pub struct Sequence {
     pub blocks: Vec<BlockId>,
     /// Tokens whose KV is in the cache.
     pub computed: usize,
-    /// Prompt tokens served by the prefix cache at the first admission.
+    /// Prompt tokens served by the prefix cache at the first admission (or loaded from a
+    /// lower KV tier).
     pub cached_prompt: usize,
+    /// Tokens whose KV a parked sequence awaits (it runs from there once they arrive).
+    await_end: usize,
     /// Times preempted.
     pub preemptions: u32,
     /// Queue state.
@@ -346,6 +354,32 @@ impl Scheduler {
         max_tokens: usize,
         seed: u64,
     ) -> Result<Option<SeqId>, AddError> {
+        self.reserve_upto(id, prompt, max_tokens, seed, None)
+    }
+
+    /// As [`reserve`](Self::reserve), for the prompt's first `blocks` full blocks only (those
+    /// that a lower KV tier holds, after the cached ones): the sequence is parked until
+    /// [`kv_arrived_upto`](Self::kv_arrived_upto) says how much of them arrived, then
+    /// computes the rest of its prompt. `blocks` is capped below the prompt's last token.
+    pub fn reserve_prefix(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        max_tokens: usize,
+        seed: u64,
+        blocks: usize,
+    ) -> Result<Option<SeqId>, AddError> {
+        self.reserve_upto(id, prompt, max_tokens, seed, Some(blocks))
+    }
+
+    fn reserve_upto(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        max_tokens: usize,
+        seed: u64,
+        blocks: Option<usize>,
+    ) -> Result<Option<SeqId>, AddError> {
         let awaiting =
             self.parked.iter().filter(|&&s| self.status(s) == Some(SeqStatus::AwaitingKv)).count();
         if self.running.len() + awaiting >= self.cfg.max_num_seqs {
@@ -353,7 +387,17 @@ impl Scheduler {
         }
         let sid = self.new_sequence(id, prompt, max_tokens, seed, SeqKind::Generate)?;
         self.match_prefix(sid);
-        if !self.grow_blocks(sid, prompt.len()) {
+        let bs = self.cfg.block_size;
+        // Blocks for the whole prompt (the transfer fills all but its last token), or for
+        // the prefix a tier holds.
+        let (grow, end) = match blocks {
+            None => (prompt.len(), prompt.len() - 1),
+            Some(n) => {
+                let end = (n * bs).min((prompt.len() - 1) / bs * bs);
+                (end, end)
+            }
+        };
+        if !self.grow_blocks(sid, grow) {
             self.unmatch(sid);
             self.seqs[sid] = None;
             self.free_slots.push(sid);
@@ -363,9 +407,19 @@ impl Scheduler {
             seq.status = SeqStatus::AwaitingKv;
             seq.admitted_once = true;
             seq.cached_prompt = seq.computed.min(seq.prompt_len);
+            seq.await_end = end.max(seq.computed);
         }
         self.parked.push(sid);
         Ok(Some(sid))
+    }
+
+    /// The leading blocks of `hashes` (a prompt's block hashes, in order) that the prefix
+    /// cache holds now, without counting a lookup.
+    pub fn cached_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        if !self.cfg.prefix_caching {
+            return 0;
+        }
+        hashes.iter().take_while(|&&h| self.pool.contains(h)).count()
     }
 
     /// The blocks of a reserved sequence that its KV goes into: the index of the first one
@@ -375,19 +429,37 @@ impl Scheduler {
         let seq = self.seq(sid).filter(|s| s.status == SeqStatus::AwaitingKv)?;
         let bs = self.cfg.block_size;
         let first = seq.computed / bs;
-        let end = (seq.prompt_len - 1).div_ceil(bs).max(first);
+        let end = seq.await_end.div_ceil(bs).max(first).min(seq.blocks.len());
         Some((first, &seq.blocks[first..end]))
     }
 
     /// The KV of a reserved sequence's prompt (all but its last token) is in its blocks: it
     /// runs from its last prompt token on. False if it was not awaiting KV.
     pub fn kv_arrived(&mut self, sid: SeqId) -> bool {
+        let end = self.seq(sid).map_or(0, |s| s.await_end);
+        self.arrive(sid, end, false)
+    }
+
+    /// The KV of the first `tokens` of a sequence reserved with
+    /// [`reserve_prefix`](Self::reserve_prefix) arrived (whole blocks; less than asked when
+    /// a load failed part-way): it runs from there, and those tokens count as cached. The
+    /// blocks past them stay its own and are computed. False if it was not awaiting KV.
+    pub fn kv_arrived_upto(&mut self, sid: SeqId, tokens: usize) -> bool {
+        let bs = self.cfg.block_size.max(1);
+        let end = self.seq(sid).map_or(0, |s| tokens.min(s.await_end) / bs * bs);
+        self.arrive(sid, end, true)
+    }
+
+    fn arrive(&mut self, sid: SeqId, end: usize, cached: bool) -> bool {
         if self.status(sid) != Some(SeqStatus::AwaitingKv) {
             return false;
         }
         self.parked.retain(|&s| s != sid);
         if let Some(seq) = self.seqs[sid].as_mut() {
-            seq.computed = seq.computed.max(seq.prompt_len - 1);
+            seq.computed = seq.computed.max(end);
+            if cached {
+                seq.cached_prompt = seq.computed.min(seq.prompt_len);
+            }
             seq.status = SeqStatus::Running;
         }
         self.running.push(sid);
@@ -505,6 +577,7 @@ impl Scheduler {
             blocks: Vec::with_capacity(max_len.div_ceil(bs)),
             computed: 0,
             cached_prompt: 0,
+            await_end: 0,
             preemptions: 0,
             status: SeqStatus::Waiting,
             kind,
@@ -815,7 +888,8 @@ impl Scheduler {
     /// sequences hold it, queues and slots agree.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_invariants()?;
-        let mut refs = vec![0u32; self.pool.capacity()];
+        let mut refs: Vec<u32> =
+            (0..self.pool.capacity()).map(|b| self.pool.pins(b as BlockId)).collect();
         for (_, blocks) in &self.quarantine {
             for &b in blocks {
                 refs[b as usize] += 1;
@@ -969,6 +1043,41 @@ mod tests {
         step(&mut s, &mut out);
         step(&mut s, &mut out);
         assert_eq!(s.seq(r).unwrap().output().len(), 3);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_prefix_loaded_from_a_lower_tier_counts_as_cached_and_the_rest_is_computed() {
+        let mut s = Scheduler::new(cfg(64, 4), 16);
+        // Cache the first block (4 tokens) in the pool.
+        let p: Vec<u32> = (0..22).collect();
+        let warm = s.add(RequestId(1), &p[..5], 1, 0).unwrap();
+        let mut out = SchedulerOutput::default();
+        step(&mut s, &mut out);
+        s.remove(warm);
+        let hashes: Vec<SequenceHash> = {
+            let mut h = BlockHasher::new(4, 0);
+            p.iter().filter_map(|&t| h.push(t)).map(|(_, sh)| sh).collect()
+        };
+        assert_eq!(s.cached_prefix(&hashes), 1);
+        // A lower tier holds blocks 1..4: reserve the first 4 blocks (asking for more is
+        // capped below the last prompt token: 21 tokens hold 5 full blocks).
+        let r = s.reserve_prefix(RequestId(2), &p, 2, 0, 4).unwrap().unwrap();
+        let (first, dest) = s.reserved(r).unwrap();
+        assert_eq!((first, dest.len()), (1, 3));
+        step(&mut s, &mut out);
+        assert!(out.chunks.is_empty(), "a loading sequence is not scheduled");
+        s.check_invariants().unwrap();
+        // Only blocks 1 and 2 loaded (the third failed its checksum): it runs from token 12.
+        assert!(s.kv_arrived_upto(r, 13));
+        assert_eq!(s.seq(r).unwrap().cached_prompt, 12);
+        step(&mut s, &mut out);
+        assert_eq!(out.chunks.iter().map(|c| (c.start, c.len)).collect::<Vec<_>>(), vec![(12, 10)]);
+        assert!(!s.kv_arrived_upto(r, 16), "not awaiting any more");
+        s.check_invariants().unwrap();
+        // Capped: a prompt of 9 tokens holds 2 full blocks before its last token.
+        let q = s.reserve_prefix(RequestId(3), &[9; 9], 1, 0, 5).unwrap().unwrap();
+        assert_eq!(s.reserved(q).map(|(f, d)| (f, d.len())), Some((0, 2)));
         s.check_invariants().unwrap();
     }
 

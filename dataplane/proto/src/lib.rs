@@ -13,7 +13,7 @@ pub mod wire;
 
 pub use events::{KvEvent, KvEventData, StorageTier, StoredBlock};
 pub use hashing::{BlockHasher, LocalBlockHash, SequenceHash, XXH3_SEED};
-pub use load::{LoadReport, WorkerMetrics};
+pub use load::{LoadReport, TierMetrics, WorkerMetrics};
 pub use request::{
     ErrorClass, FinishReason, GenerateRequest, KvDest, KvNote, KvRole, KvTransfer, Logprob, Output,
     OutputDelta, RequestId, SamplingOptions, StopConditions, TopLogprob, Usage,

@@ -55,6 +55,50 @@ pub struct WorkerMetrics {
     pub finished: u64,
     /// Steps run.
     pub steps: u64,
+    /// The KV tiers below the engine's pool (all zero without tiers).
+    #[serde(default)]
+    pub tiers: TierMetrics,
+}
+
+/// Counters of a worker's KV tiers below its engine's pool: G2 (host memory) and G3 (disk).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct TierMetrics {
+    /// Blocks held in host memory.
+    pub host_blocks: u64,
+    /// Blocks host memory can hold.
+    pub host_capacity: u64,
+    /// Blocks held on disk.
+    pub disk_blocks: u64,
+    /// Blocks the disk tier can hold.
+    pub disk_capacity: u64,
+    /// Blocks copied from the engine's pool to host memory.
+    pub offloaded_host: u64,
+    /// Blocks written from host memory to disk.
+    pub offloaded_disk: u64,
+    /// Blocks loaded into the engine's pool from host memory.
+    pub onboarded_host: u64,
+    /// Blocks loaded into the engine's pool from disk.
+    pub onboarded_disk: u64,
+    /// Prompt blocks looked up below the engine's pool.
+    pub lookups: u64,
+    /// Of which found in host memory.
+    pub hits_host: u64,
+    /// Of which found on disk only.
+    pub hits_disk: u64,
+    /// Bytes copied down (pool → host, host → disk).
+    pub offload_bytes: u64,
+    /// Seconds spent on those copies.
+    pub offload_seconds: f64,
+    /// Bytes loaded up (disk → host, host → pool).
+    pub onboard_bytes: u64,
+    /// Seconds spent on those loads.
+    pub onboard_seconds: f64,
+    /// Blocks whose bytes failed their checksum (dropped, computed instead).
+    pub checksum_failures: u64,
+    /// Failed writes to the disk tier.
+    pub disk_errors: u64,
+    /// Whether offload to disk stopped after a failure (the disk is full or failing).
+    pub disk_stopped: bool,
 }
 
 impl WorkerMetrics {

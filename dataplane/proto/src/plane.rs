@@ -21,7 +21,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::WorkerId;
-use crate::events::{KvEvent, StoredBlock};
+use crate::events::{KvEvent, StorageTier, StoredBlock};
 use crate::hashing::SequenceHash;
 use crate::load::WorkerMetrics;
 use crate::request::{GenerateRequest, Output, RequestId};
@@ -213,8 +213,11 @@ pub struct Snapshot {
     pub worker_id: WorkerId,
     /// Events up to this id are reflected in the snapshot.
     pub last_event_id: u64,
-    /// `(parent, block)` pairs.
+    /// `(parent, block)` pairs of the engine's pool.
     pub blocks: Vec<(Option<SequenceHash>, StoredBlock)>,
+    /// Blocks of the tiers below it, `(tier, parent, block)`, parents first in each tier.
+    #[serde(default)]
+    pub lower: Vec<(StorageTier, Option<SequenceHash>, StoredBlock)>,
 }
 
 /// A worker's load and counters (its id is `metrics.load.worker_id`).
@@ -234,7 +237,7 @@ pub struct Heartbeat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::{KvEventData, StorageTier};
+    use crate::events::KvEventData;
     use crate::hashing::LocalBlockHash;
     use crate::request::{ErrorClass, KvDest, KvRole, SamplingOptions, StopConditions};
     use crate::wire::{MAX_FRAME, decode, encode, split};
@@ -307,7 +310,12 @@ mod tests {
         assert_eq!(round_trip(kind::KV_EVENTS, &ev), ev);
         let n = Note { worker_id: 7, id: RequestId(3), note: NoteKind::FirstToken };
         assert_eq!(round_trip(kind::NOTE, &n), n);
-        let s = Snapshot { worker_id: 7, last_event_id: 9, blocks: vec![(None, block)] };
+        let s = Snapshot {
+            worker_id: 7,
+            last_event_id: 9,
+            blocks: vec![(None, block)],
+            lower: vec![(StorageTier::Disk, None, block)],
+        };
         assert_eq!(round_trip(kind::SNAPSHOT, &s), s);
         let l = Load { metrics: WorkerMetrics { prompt_tokens: 5, ..Default::default() } };
         assert_eq!(round_trip(kind::LOAD, &l), l);

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_kernels::model::{KvLayout, KvMemory};
@@ -88,7 +88,7 @@ struct Peer {
 pub struct KvLink {
     cfg: KvLinkConfig,
     /// `None` for mock engines (modelled transfers).
-    agent: Option<Agent>,
+    agent: Option<Arc<Agent>>,
     /// This process's shards: their regions and layouts.
     local: Mutex<HashMap<WorkerId, (RegionId, KvLayout)>>,
     peers: Mutex<HashMap<WorkerId, Peer>>,
@@ -123,7 +123,7 @@ impl KvLink {
         ac.fixed_buffers = false;
         ac.prefault = false;
         let agent = Agent::new(ac)?;
-        Ok(Self::build(cfg, Some(agent)))
+        Ok(Self::build(cfg, Some(Arc::new(agent))))
     }
 
     /// A link that models transfers, for mock engines.
@@ -131,7 +131,7 @@ impl KvLink {
         Self::build(cfg, None)
     }
 
-    fn build(cfg: KvLinkConfig, agent: Option<Agent>) -> Self {
+    fn build(cfg: KvLinkConfig, agent: Option<Arc<Agent>>) -> Self {
         KvLink {
             cfg,
             agent,
@@ -155,6 +155,16 @@ impl KvLink {
         let region = agent.alloc_mem(layout.bytes as u64)?;
         lock(&self.local).insert(w, (region, layout));
         Ok(Some(Box::new(agent.region_memory(region)?)))
+    }
+
+    /// The process's transfer agent (`None` for mock engines).
+    pub fn agent(&self) -> Option<&Arc<Agent>> {
+        self.agent.as_ref()
+    }
+
+    /// The region and layout of local worker `w`'s KV cache.
+    pub fn region_of(&self, w: WorkerId) -> Option<(RegionId, KvLayout)> {
+        lock(&self.local).get(&w).copied()
     }
 
     /// The peer record a worker of this process registers with, once its region exists.

@@ -2,7 +2,7 @@
 //! (scheduler, block pool, KV cache, kernel thread pool) and a bounded inbox. Shards of one
 //! process share the read-only model weights (one mmap). [`setup`] turns one resolved
 //! configuration into a process's engines; [`remote`] serves a process's shards to a
-//! frontend over the TCP request and event planes.
+//! frontend over the TCP request and event planes; [`store`] finds and pulls model files.
 
 #![forbid(unsafe_code)]
 
@@ -10,10 +10,12 @@ pub mod kvlink;
 pub mod remote;
 pub mod setup;
 pub mod shard;
+pub mod store;
 
 pub use remote::{Hosted, RemoteConfig, RemoteError};
 pub use setup::{
     EngineKind, EngineLimits, EngineSetup, MockerSetup, ModelMeta, Prepared, SetupError, Started,
+    TierSetup,
 };
 pub use shard::{
     Command, OutputSender, ShardConfig, ShardEvent, ShardHandle, ShardStatus, SubmitError,

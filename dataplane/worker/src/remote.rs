@@ -545,9 +545,9 @@ fn event(e: ShardEvent, kv: &mut Vec<KvEvent>, buf: &mut Vec<u8>) {
             flush_kv(kv, buf);
             put(kind::NOTE, &Note { worker_id, id, note: NoteKind::Finished }, buf);
         }
-        ShardEvent::Snapshot { worker_id, last_event_id, blocks } => {
+        ShardEvent::Snapshot { worker_id, last_event_id, blocks, lower } => {
             flush_kv(kv, buf);
-            put(kind::SNAPSHOT, &Snapshot { worker_id, last_event_id, blocks }, buf);
+            put(kind::SNAPSHOT, &Snapshot { worker_id, last_event_id, blocks, lower }, buf);
         }
     }
 }

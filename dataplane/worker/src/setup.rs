@@ -27,6 +27,7 @@ use kvx_tokenizer::Tokenizer;
 use crate::kvlink::{KvLink, KvLinkConfig};
 use crate::remote::Hosted;
 use crate::shard::{self, ShardConfig, ShardEvent};
+use kvx_kvbm::{DiskConfig, PoolLayout, TierConfig, Tiers};
 
 /// Shard events of a process queued at most (a full queue drops KV events; the router sees
 /// the id gap and asks for a snapshot).
@@ -116,6 +117,18 @@ impl Default for MockerSetup {
     }
 }
 
+/// KV tiers below each model engine's pool (`kvx_kvbm`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierSetup {
+    /// Host memory per engine, in bytes.
+    pub host_bytes: u64,
+    /// The disk tier: a directory (each engine its own file, `w<worker id>.blocks`) and
+    /// bytes per engine.
+    pub disk: Option<(PathBuf, u64)>,
+    /// Reuses a block needs before it is written to disk (0: every block).
+    pub disk_min_hits: u32,
+}
+
 /// The resolved configuration of a process's engines.
 #[derive(Debug, Clone)]
 pub struct EngineSetup {
@@ -150,6 +163,8 @@ pub struct EngineSetup {
     pub roles: Vec<WorkerRole>,
     /// The KV transfer link of prefill and decode engines.
     pub kv_link: KvLinkConfig,
+    /// KV tiers below each engine's pool (model engines only).
+    pub tiers: Option<TierSetup>,
 }
 
 /// Why engines could not be set up.
@@ -235,6 +250,8 @@ pub struct Prepared {
     tokenizer: Option<Arc<Tokenizer>>,
     sched: SchedulerConfig,
     kv_blocks: usize,
+    /// What KV blocks kept on disk must have been computed with (model, kernels, layout).
+    kv_fingerprint: u64,
 }
 
 /// A process's engines running on their shard threads.
@@ -267,6 +284,7 @@ impl EngineSetup {
             mocker: MockerSetup::default(),
             roles: Vec::new(),
             kv_link: KvLinkConfig::default(),
+            tiers: None,
         }
     }
 
@@ -329,6 +347,20 @@ impl EngineSetup {
         if self.roles.len() > self.engines {
             return bad("more roles than engines");
         }
+        if let Some(t) = &self.tiers {
+            if self.kind != EngineKind::Model {
+                return bad("KV tiers (--kv-host-bytes, --kv-disk) need model engines");
+            }
+            if !l.prefix_caching {
+                return bad("KV tiers need prefix caching");
+            }
+            if t.host_bytes == 0 {
+                return bad("--kv-host-bytes must be positive (the disk tier loads through it)");
+            }
+            if t.disk.as_ref().is_some_and(|(_, b)| *b == 0) {
+                return bad("--kv-disk-bytes must be positive");
+            }
+        }
         match (self.kind, &self.model) {
             (EngineKind::Model, None) => bad("model engines need a model file"),
             (EngineKind::Mocker, None)
@@ -346,7 +378,8 @@ impl EngineSetup {
     /// sizes the KV pool of each engine.
     pub fn prepare(&self) -> Result<Prepared, SetupError> {
         self.validate()?;
-        let (backing, tokenizer, sched, kv_blocks) = match (self.kind, &self.model) {
+        let (backing, tokenizer, sched, kv_blocks, kv_fingerprint) = match (self.kind, &self.model)
+        {
             (EngineKind::Model, Some(path)) => {
                 let tokenizer = Tokenizer::from_gguf_path(path)
                     .map_err(|e| model_err("loading the tokenizer of", path, e))?;
@@ -362,7 +395,8 @@ impl EngineSetup {
                 let budget =
                     self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);
                 let blocks = self.blocks_for(&model.cfg, budget, sched.max_model_len);
-                (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks)
+                let fp = self.kv_fingerprint(path, &model.cfg)?;
+                (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks, fp)
             }
             (EngineKind::Model, None) => unreachable_model()?,
             (EngineKind::Mocker, path) => {
@@ -399,10 +433,40 @@ impl EngineSetup {
                     speedup: m.speedup,
                     avoid: tokenizer.as_ref().map(|t| t.eog_ids().to_vec()).unwrap_or_default(),
                 };
-                (Backing::Mocker(mock, per_token), tokenizer, sched, blocks.max(1))
+                (Backing::Mocker(mock, per_token), tokenizer, sched, blocks.max(1), 0)
             }
         };
-        Ok(Prepared { setup: self.clone(), backing, tokenizer, sched, kv_blocks })
+        Ok(Prepared { setup: self.clone(), backing, tokenizer, sched, kv_blocks, kv_fingerprint })
+    }
+
+    /// A fingerprint of what a KV block's bytes depend on: the model file (its size and
+    /// its first and last MiB, which hold the metadata and tensor table and the last
+    /// weights), the kernels' instruction set and arithmetic, and the cache layout.
+    fn kv_fingerprint(&self, path: &Path, cfg: &LlamaConfig) -> Result<u64, SetupError> {
+        use std::io::{Read, Seek, SeekFrom};
+        let read = || -> std::io::Result<Vec<u8>> {
+            let mut f = std::fs::File::open(path)?;
+            let len = f.metadata()?.len();
+            let mut buf = Vec::with_capacity(2 << 20);
+            buf.extend_from_slice(&len.to_le_bytes());
+            (&mut f).take(1 << 20).read_to_end(&mut buf)?;
+            f.seek(SeekFrom::Start(len.saturating_sub(1 << 20)))?;
+            f.take(1 << 20).read_to_end(&mut buf)?;
+            Ok(buf)
+        };
+        let mut buf = read().map_err(|e| model_err("reading", path, e))?;
+        let shape = [
+            self.limits.block_size,
+            cfg.n_layer,
+            cfg.n_head_kv,
+            cfg.head_dim,
+            usize::from(self.fast_math),
+        ];
+        for v in shape {
+            buf.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        buf.extend_from_slice(self.kernels.level.name().as_bytes());
+        Ok(xxhash_rust::xxh3::xxh3_64(&buf))
     }
 
     /// KV blocks a budget of `bytes` buys for `cfg`, at most what `max_num_seqs` sequences
@@ -540,7 +604,8 @@ impl Prepared {
         let (tx, events): (SyncSender<ShardEvent>, _) = sync_channel(EVENT_QUEUE);
         let s = &self.setup;
         let link_err = |e: crate::kvlink::KvLinkError| SetupError::Invalid(e.to_string());
-        let kv = if s.disaggregated() {
+        let model_tiers = matches!(self.backing, Backing::Model(_)) && s.tiers.is_some();
+        let kv = if s.disaggregated() || model_tiers {
             let link = match self.backing {
                 Backing::Model(_) => {
                     let name = format!("kvx-{}-{}", std::process::id(), s.first_worker_id);
@@ -565,21 +630,29 @@ impl Prepared {
             };
             let core = mine.first().copied();
             let role = s.role(i);
-            let (mem, link) = match (&kv, role) {
-                (Some(link), WorkerRole::Prefill | WorkerRole::Decode) => {
-                    let layout = self
-                        .kv_layout()
-                        .map_err(|source| SetupError::Engine { index: i, source })?;
-                    (link.region_for(worker_id, layout).map_err(link_err)?, Some(link.clone()))
+            let engine_err = |source| SetupError::Engine { index: i, source };
+            // The engine's cache lives in the agent's memory when a peer writes into it or
+            // the tiers copy out of it.
+            let lent = role != WorkerRole::Agg || model_tiers;
+            let (mem, link) = match &kv {
+                Some(link) if lent => {
+                    let layout = self.kv_layout().map_err(engine_err)?;
+                    let mem = link.region_for(worker_id, layout).map_err(link_err)?;
+                    let moves_kv = role != WorkerRole::Agg;
+                    (mem, moves_kv.then(|| link.clone()))
                 }
                 _ => (None, None),
+            };
+            let tiers = match (&kv, &s.tiers) {
+                (Some(link), Some(t)) if model_tiers => Some(self.start_tiers(link, worker_id, t)?),
+                _ => None,
             };
             let kv_peer = link.as_ref().and_then(|l| l.peer(worker_id));
             let me = self.clone();
             let make = move || me.make(worker_id, mine, mem);
-            let cfg = ShardConfig { index: i, core, inbox_capacity: s.inbox_capacity, kv: link };
-            let shard = shard::spawn(cfg, make, Some(tx.clone()))
-                .map_err(|source| SetupError::Engine { index: i, source })?;
+            let cfg =
+                ShardConfig { index: i, core, inbox_capacity: s.inbox_capacity, kv: link, tiers };
+            let shard = shard::spawn(cfg, make, Some(tx.clone())).map_err(engine_err)?;
             shards.push(Hosted {
                 worker_id,
                 kv_blocks: self.kv_blocks,
@@ -590,6 +663,32 @@ impl Prepared {
             });
         }
         Ok(Started { shards, events, kv })
+    }
+}
+
+impl Prepared {
+    /// The tiers of worker `w`, whose cache is in `link`'s agent.
+    fn start_tiers(&self, link: &KvLink, w: WorkerId, t: &TierSetup) -> Result<Tiers, SetupError> {
+        let invalid = |e: &dyn std::fmt::Display| SetupError::Invalid(format!("KV tiers: {e}"));
+        let agent = link.agent().ok_or_else(|| invalid(&"no transfer agent"))?;
+        let (region, layout) = link.region_of(w).ok_or_else(|| invalid(&"no KV region"))?;
+        let pool = PoolLayout {
+            region,
+            k_offset: layout.k_offset as u64,
+            v_offset: layout.v_offset as u64,
+            block_bytes: layout.block_bytes as u64,
+        };
+        let cfg = TierConfig {
+            host_bytes: t.host_bytes,
+            disk: t.disk.as_ref().map(|(dir, bytes)| DiskConfig {
+                dir: dir.clone(),
+                file: format!("w{w}.blocks"),
+                bytes: *bytes,
+                min_hits: t.disk_min_hits,
+            }),
+            timeout: self.setup.kv_link.timeout,
+        };
+        Tiers::start(agent.clone(), pool, &cfg, self.kv_fingerprint).map_err(|e| invalid(&e))
     }
 }
 

@@ -5,6 +5,11 @@
 //! The inbox is bounded (a full inbox is backpressure the caller turns into "overloaded").
 //! A request whose output channel is closed (the client went away) is cancelled at the next
 //! step boundary, which returns its blocks.
+//!
+//! With KV tiers (host memory, disk) the shard also drives its [`Tiers`]: each block the
+//! engine registers is pinned and offered to them (copied down beside the steps), a new
+//! request whose prompt continues below the pool is reserved its blocks and loaded instead
+//! of computed, and the tiers' events join the engine's in one numbered stream.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
@@ -20,6 +25,7 @@ use kvx_proto::{
 };
 
 use crate::kvlink::{KvLink, Pending};
+use kvx_kvbm::{Action, TierEvent, Tiers};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 /// Where a request's outputs go.
@@ -61,6 +67,8 @@ pub enum ShardEvent {
         last_event_id: u64,
         /// The blocks.
         blocks: Vec<(Option<kvx_proto::SequenceHash>, StoredBlock)>,
+        /// Blocks of the tiers below the pool, `(tier, parent, block)`.
+        lower: Vec<(StorageTier, Option<kvx_proto::SequenceHash>, StoredBlock)>,
     },
 }
 
@@ -80,7 +88,7 @@ pub enum Command {
 }
 
 /// Shard settings.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ShardConfig {
     /// Index among the process's shards (thread names, logs).
     pub index: usize,
@@ -90,6 +98,8 @@ pub struct ShardConfig {
     pub inbox_capacity: usize,
     /// Where prefilled requests' KV goes (prefill shards of disaggregated serving).
     pub kv: Option<Arc<KvLink>>,
+    /// The KV tiers below the engine's pool.
+    pub tiers: Option<Tiers>,
 }
 
 /// Why a request could not be handed to a shard.
@@ -112,6 +122,8 @@ pub struct ShardStatus {
     pub stats: EngineStats,
     /// Requests in the shard (queued or running).
     pub requests: usize,
+    /// The KV tiers below the pool.
+    pub tiers: kvx_proto::TierMetrics,
 }
 
 impl ShardStatus {
@@ -126,6 +138,7 @@ impl ShardStatus {
             preemptions: self.stats.preemptions,
             finished: self.stats.finished,
             steps: self.stats.steps,
+            tiers: self.tiers,
         }
     }
 }
@@ -222,6 +235,7 @@ pub fn spawn(
     let (ready_tx, ready_rx) = mpsc::sync_channel(1);
     let core = cfg.core;
     let kv = cfg.kv.clone();
+    let tiers = cfg.tiers;
     let thread = std::thread::Builder::new()
         .name(format!("kvx-shard-{}", cfg.index))
         .spawn(move || {
@@ -229,7 +243,7 @@ pub fn spawn(
                 pin_current(c);
             }
             match make_engine() {
-                Ok(engine) => run(engine, rx, st, events, kv, ready_tx),
+                Ok(engine) => run(engine, rx, st, events, kv, tiers, ready_tx),
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                 }
@@ -264,6 +278,12 @@ struct Loop {
     pending: Vec<(RequestId, Pending)>,
     /// Requests prefilled in the last step.
     prefilled: Vec<RequestId>,
+    /// The KV tiers below the pool.
+    tiers: Option<Tiers>,
+    /// Requests loading their prompt's prefix from the tiers, with the first block loaded.
+    loading: HashMap<RequestId, usize>,
+    /// What the tiers asked for (reused).
+    actions: Vec<Action>,
 }
 
 /// The shard's loop; `ready` is told once the first status (the empty engine's load, under
@@ -274,6 +294,7 @@ fn run(
     status: Arc<Mutex<ShardStatus>>,
     events: Option<SyncSender<ShardEvent>>,
     kv: Option<Arc<KvLink>>,
+    tiers: Option<Tiers>,
     ready: mpsc::SyncSender<Result<(), EngineError>>,
 ) {
     let worker_id = engine.config().worker_id;
@@ -289,7 +310,12 @@ fn run(
         dests: HashMap::new(),
         pending: Vec::new(),
         prefilled: Vec::new(),
+        tiers,
+        loading: HashMap::new(),
+        actions: Vec::new(),
     };
+    // Blocks a disk tier kept from an earlier run are announced before anything else.
+    l.publish_events();
     l.publish_status();
     let _ = ready.send(Ok(()));
     let mut inbox_open = true;
@@ -307,7 +333,7 @@ fn run(
                 }
             } else {
                 // Transfers in flight are polled often; otherwise wake for the status.
-                let wait = if l.pending.is_empty() {
+                let wait = if l.pending.is_empty() && !l.tiers_busy() {
                     Duration::from_millis(100)
                 } else {
                     Duration::from_micros(500)
@@ -316,8 +342,9 @@ fn run(
                     Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => {
                         l.poll_transfers();
+                        l.poll_tiers();
                         l.publish_status();
-                        if l.pending.is_empty() {
+                        if l.pending.is_empty() && !l.tiers_busy() {
                             continue;
                         }
                         break;
@@ -352,7 +379,8 @@ fn run(
                     l.engine.cancel(id);
                 }
             }
-            if !l.engine.has_work() && l.sinks.is_empty() && l.pending.is_empty() {
+            if !l.engine.has_work() && l.sinks.is_empty() && l.pending.is_empty() && !l.tiers_busy()
+            {
                 l.publish_status();
                 return;
             }
@@ -366,6 +394,7 @@ fn run(
             l.step();
         }
         l.poll_transfers();
+        l.poll_tiers();
         l.publish_status();
     }
 }
@@ -379,13 +408,20 @@ impl Loop {
             });
             return;
         }
-        match self.engine.add(&req) {
+        let added = match self.tiers.is_some() {
+            true => self.add_from_tiers(&req),
+            false => self.engine.add(&req),
+        };
+        match added {
             Ok(admission) => {
                 let note = match admission {
                     Admission::Queued => None,
+                    // Loading from the tiers: nothing for the plane to do.
+                    Admission::Reserved { .. } if req.kv == KvRole::Local => None,
                     Admission::Reserved { first_block, blocks } => {
                         Some(KvNote::Reserved { first_block, blocks })
                     }
+                    Admission::NotReserved if req.kv == KvRole::Local => None,
                     Admission::NotReserved => Some(KvNote::Local),
                 };
                 if let Some(note) = note {
@@ -398,6 +434,67 @@ impl Loop {
             }
             Err(e) => {
                 let _ = sink.send(Output::Error { class: e.class(), message: e.to_string() });
+            }
+        }
+    }
+
+    /// Adds a request, loading the part of its prompt's prefix that the tiers hold (after
+    /// what the pool holds) instead of computing it, when the engine has room to reserve it.
+    fn add_from_tiers(&mut self, req: &GenerateRequest) -> Result<Admission, EngineError> {
+        let Some(tiers) = self.tiers.as_mut() else { return self.engine.add(req) };
+        if req.kv != KvRole::Local || !req.resume.is_empty() || req.prompt.len() < 2 {
+            return self.engine.add(req);
+        }
+        let bs = self.engine.config().sched.block_size;
+        let mut hashes = self.engine.prompt_hashes(&req.prompt, req.salt.as_deref());
+        // The last prompt token is always computed (for its logits).
+        hashes.truncate((req.prompt.len() - 1) / bs);
+        let in_pool = self.engine.cached_prefix(&hashes);
+        let found = tiers.lookup(&hashes, in_pool, hashes.len() - in_pool);
+        if found.is_empty() {
+            tiers.forget(found);
+            return self.engine.add(req);
+        }
+        let admission = self.engine.onboard(req, in_pool + found.len());
+        match &admission {
+            Ok(Admission::Reserved { first_block, blocks }) if *first_block == in_pool => {
+                self.loading.insert(req.id, *first_block);
+                tiers.load(req.id, found, blocks, &mut self.actions);
+            }
+            Ok(Admission::Reserved { first_block, .. }) => {
+                // The pool changed under the lookup (it cannot on this thread): compute.
+                tiers.forget(found);
+                self.engine.onboarded(req.id, first_block * bs);
+            }
+            _ => tiers.forget(found),
+        }
+        self.apply_actions();
+        admission
+    }
+
+    /// Whether the tiers have copies in flight.
+    fn tiers_busy(&self) -> bool {
+        self.tiers.as_ref().is_some_and(Tiers::busy)
+    }
+
+    /// Takes what the tiers finished, does what they ask and publishes their events.
+    fn poll_tiers(&mut self) {
+        let Some(t) = self.tiers.as_mut() else { return };
+        t.poll(&mut self.actions);
+        self.apply_actions();
+        self.publish_events();
+    }
+
+    fn apply_actions(&mut self) {
+        let bs = self.engine.config().sched.block_size;
+        for a in self.actions.drain(..) {
+            match a {
+                Action::Unpin(b) => self.engine.unpin_block(b),
+                Action::Loaded { id, blocks } => {
+                    if let Some(first) = self.loading.remove(&id) {
+                        self.engine.onboarded(id, (first + blocks) * bs);
+                    }
+                }
             }
         }
     }
@@ -550,27 +647,48 @@ impl Loop {
     }
 
     fn publish_events(&mut self) {
-        let Some(tx) = self.events.clone() else {
-            self.engine.drain_block_events(|_| {});
-            return;
-        };
         let worker_id = self.worker_id;
         let next = &mut self.next_event;
-        self.engine.drain_block_events(|e| {
-            let data = match e {
-                BlockEvent::Stored { seq_hash, local_hash, parent } => KvEventData::Stored {
-                    parent,
-                    blocks: vec![StoredBlock { seq_hash, local_hash }],
-                },
-                BlockEvent::Removed { seq_hash } => {
-                    KvEventData::Removed { seq_hashes: vec![seq_hash] }
-                }
-            };
-            let ev = KvEvent { worker_id, event_id: *next, tier: StorageTier::Device, data };
+        let tx = self.events.clone();
+        let mut send = |tier: StorageTier, data: KvEventData| {
+            let ev = KvEvent { worker_id, event_id: *next, tier, data };
             *next += 1;
             // A full queue drops the event; the consumer sees the id gap and resyncs.
-            let _ = tx.try_send(ShardEvent::Kv(ev));
+            if let Some(tx) = &tx {
+                let _ = tx.try_send(ShardEvent::Kv(ev));
+            }
+        };
+        let (engine, tiers) = (&mut self.engine, &mut self.tiers);
+        let mut offered: Vec<u32> = Vec::new();
+        engine.drain_block_events(|e| match e {
+            BlockEvent::Stored { block, seq_hash, local_hash, parent } => {
+                if let Some(t) = tiers.as_mut()
+                    && t.offer(block, seq_hash, local_hash, parent)
+                {
+                    offered.push(block);
+                }
+                let blocks = vec![StoredBlock { seq_hash, local_hash }];
+                send(StorageTier::Device, KvEventData::Stored { parent, blocks });
+            }
+            BlockEvent::Removed { seq_hash } => {
+                send(StorageTier::Device, KvEventData::Removed { seq_hashes: vec![seq_hash] });
+            }
         });
+        let Some(t) = tiers.as_mut() else { return };
+        // Offered blocks stay as they are until their copy is done.
+        for b in offered {
+            engine.pin_block(b);
+        }
+        t.flush(&mut self.actions);
+        t.drain_events(|e| match e {
+            TierEvent::Stored { tier, parent, block } => {
+                send(tier, KvEventData::Stored { parent, blocks: vec![block] });
+            }
+            TierEvent::Removed { tier, seq_hash } => {
+                send(tier, KvEventData::Removed { seq_hashes: vec![seq_hash] });
+            }
+        });
+        self.apply_actions();
     }
 
     /// Lifecycle notes must not be lost (the router's load accounting depends on them), so
@@ -589,10 +707,12 @@ impl Loop {
             .into_iter()
             .map(|(parent, seq_hash, local_hash)| (parent, StoredBlock { seq_hash, local_hash }))
             .collect();
+        let lower = self.tiers.as_ref().map(Tiers::snapshot).unwrap_or_default();
         self.notify(ShardEvent::Snapshot {
             worker_id: self.worker_id,
             last_event_id: self.next_event - 1,
             blocks,
+            lower,
         });
     }
 
@@ -601,6 +721,7 @@ impl Loop {
             load: self.engine.load(),
             stats: self.engine.stats(),
             requests: self.sinks.len(),
+            tiers: self.tiers.as_ref().map(Tiers::metrics).unwrap_or_default(),
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = s;
     }

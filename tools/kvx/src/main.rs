@@ -1,7 +1,6 @@
 //! The `kvx` binary: one entry point for serving, generation, model management and benchmarks.
 
 mod cmd;
-mod models;
 
 use clap::Parser;
 

@@ -248,6 +248,7 @@ fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
                     s.worker_id,
                     s.last_event_id,
                     s.blocks,
+                    s.lower,
                 );
             }
         }

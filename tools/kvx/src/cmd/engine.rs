@@ -1,10 +1,12 @@
 //! Engine flags shared by the commands that run engines (`generate`, `serve`, `worker`,
 //! `bench engine`), turned into the one resolved [`EngineSetup`] they all use.
 
+use std::path::PathBuf;
+
 use anyhow::Result;
 use clap::Args;
 use clap::builder::FalseyValueParser;
-use kvx_worker::{EngineKind, EngineLimits, EngineSetup};
+use kvx_worker::{EngineKind, EngineLimits, EngineSetup, TierSetup};
 
 use super::Runtime;
 
@@ -44,6 +46,20 @@ pub(crate) struct EngineOpts {
     /// tokens can diverge from llama.cpp's.
     #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new())]
     pub(crate) fast_math: bool,
+    /// Host memory per engine for KV blocks below its pool (tier G2), in bytes: every block
+    /// the pool registers is copied there, and a prompt found there is loaded, not computed.
+    #[arg(long, env = "KVX_KV_HOST_BYTES")]
+    pub(crate) kv_host_bytes: Option<u64>,
+    /// A directory for the disk tier (G3, kept across restarts; with `--kv-host-bytes`, or
+    /// 64 MiB of host memory to load through).
+    #[arg(long, env = "KVX_KV_DISK")]
+    pub(crate) kv_disk: Option<PathBuf>,
+    /// Bytes of the disk tier per engine.
+    #[arg(long, env = "KVX_KV_DISK_BYTES", default_value_t = 16 << 30)]
+    pub(crate) kv_disk_bytes: u64,
+    /// Reuses a block needs before it is written to disk (0: every block).
+    #[arg(long, env = "KVX_KV_DISK_MIN_HITS", default_value_t = 0)]
+    pub(crate) kv_disk_min_hits: u32,
 }
 
 impl EngineOpts {
@@ -68,6 +84,11 @@ impl EngineOpts {
             chunked_prefill: !self.no_chunked_prefill,
             prefix_caching: !self.no_prefix_caching,
         };
+        s.tiers = (self.kv_host_bytes.is_some() || self.kv_disk.is_some()).then(|| TierSetup {
+            host_bytes: self.kv_host_bytes.unwrap_or(64 << 20),
+            disk: self.kv_disk.clone().map(|d| (d, self.kv_disk_bytes)),
+            disk_min_hits: self.kv_disk_min_hits,
+        });
         // One engine on the command line gets every core unless told otherwise.
         s.threads_per_engine = self.threads.unwrap_or(rt.cores).max(1);
         Ok(s)

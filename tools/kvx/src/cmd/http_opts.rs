@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvx_ingress::IngressConfig;
 
-use crate::models::{CATALOGUE, DEFAULT};
+use kvx_worker::store::{CATALOGUE, DEFAULT};
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct HttpOpts {

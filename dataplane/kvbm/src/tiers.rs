@@ -1,0 +1,700 @@
+//! A shard's tiers below its engine's pool (G1): host memory (G2) and local disk (G3), with
+//! the policy that moves blocks between them. The shard's thread owns a [`Tiers`] and calls
+//! it between steps; the bytes move on the mover thread, so no call here waits for a copy.
+//!
+//! Policy:
+//! * **Offload: write-through.** Every block the pool registers is copied to host memory
+//!   right away (the shard pins it in the pool until the copy is done); leaving the pool
+//!   later then costs nothing. Blocks already below are not copied again (deduplication by
+//!   sequence hash in every tier).
+//! * **Host → disk** when a block has been reused by at least `min_hits` requests (`0`:
+//!   every block, the default); the block stays in host memory too. A failed write stops
+//!   offload to disk (one warning, a metric); what is on disk stays readable.
+//! * **LRU** within each tier; a request's reuse of a block (in any tier) makes it recent.
+//! * **Onboarding.** A new request's prompt blocks after those in the pool are looked up
+//!   below ([`Tiers::lookup`]): the leading run found (in host memory, else on disk) is
+//!   pinned, and if the engine can reserve pool blocks for it, [`Tiers::load`] copies it in
+//!   (disk blocks through a host slot, their checksums checked on the way); the engine runs
+//!   the request from the end of what arrived ([`Action::Loaded`]).
+//!
+//! Every change of what a tier holds is a [`TierEvent`] for the router.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvx_proto::{LocalBlockHash, RequestId, SequenceHash, StorageTier, StoredBlock, TierMetrics};
+use kvx_xfer::Agent;
+
+use crate::KvbmError;
+use crate::disk::{self, DiskFile, DiskLayout, HEADER_BYTES, Header};
+use crate::mover::{Done, Geometry, Job, MAX_PERSIST, Mover, PoolLayout};
+use crate::pool::{BlockMeta, SlotPool, SlotState};
+
+/// Jobs queued to the mover at most (more offloads are skipped; loads are computed).
+const JOB_QUEUE: usize = 64;
+
+/// Settings of a shard's tiers.
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    /// Bytes of host memory (G2).
+    pub host_bytes: u64,
+    /// The disk tier (G3), if any.
+    pub disk: Option<DiskConfig>,
+    /// A copy not done after this long fails.
+    pub timeout: Duration,
+}
+
+/// Settings of a disk tier.
+#[derive(Debug, Clone)]
+pub struct DiskConfig {
+    /// Directory of the tier's files.
+    pub dir: PathBuf,
+    /// This shard's file name in it.
+    pub file: String,
+    /// Bytes of the file.
+    pub bytes: u64,
+    /// Reuses a block needs before it is written to disk (0: every block).
+    pub min_hits: u32,
+}
+
+/// What the tiers tell the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierEvent {
+    /// A tier holds a block now.
+    Stored {
+        /// The tier.
+        tier: StorageTier,
+        /// The block before it.
+        parent: Option<SequenceHash>,
+        /// The block.
+        block: StoredBlock,
+    },
+    /// A tier dropped a block.
+    Removed {
+        /// The tier.
+        tier: StorageTier,
+        /// The block.
+        seq_hash: SequenceHash,
+    },
+}
+
+/// What the shard must do after [`Tiers::poll`] or [`Tiers::flush`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Drop the pin on this pool block (its copy is done, or was not made).
+    Unpin(u32),
+    /// A request's load ended: its first `blocks` reserved blocks hold their KV.
+    Loaded {
+        /// The request.
+        id: RequestId,
+        /// Leading reserved blocks loaded.
+        blocks: usize,
+    },
+}
+
+/// Where a looked-up block is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Src {
+    Host(u32),
+    Disk(u32),
+}
+
+/// Blocks found below the pool for a prompt, pinned until [`Tiers::load`] or
+/// [`Tiers::forget`] takes them.
+#[derive(Debug, Default)]
+pub struct Lookup {
+    srcs: Vec<(SequenceHash, Src)>,
+}
+
+impl Lookup {
+    /// Blocks found.
+    pub fn len(&self) -> usize {
+        self.srcs.len()
+    }
+
+    /// Whether none was.
+    pub fn is_empty(&self) -> bool {
+        self.srcs.is_empty()
+    }
+}
+
+/// A job in flight.
+#[derive(Debug)]
+enum Pending {
+    Offload(Vec<(u32, u32)>),
+    Persist(Vec<(u32, u32)>),
+    Load { id: RequestId, srcs: Vec<Src>, staged: Vec<(u32, u32)> },
+}
+
+/// A shard's tiers.
+pub struct Tiers {
+    host: SlotPool,
+    disk: Option<SlotPool>,
+    min_hits: u32,
+    disk_stopped: bool,
+    fingerprint: u64,
+    block_bytes: u64,
+    stamp: u64,
+    jobs: Option<SyncSender<Job>>,
+    done: Receiver<Done>,
+    thread: Option<JoinHandle<()>>,
+    next_job: u64,
+    pending: HashMap<u64, Pending>,
+    offers: Vec<(u32, u32)>,
+    persists: Vec<(u32, u32, Header)>,
+    events: Vec<TierEvent>,
+    stats: TierMetrics,
+    _disk_file: Option<DiskFile>,
+}
+
+impl std::fmt::Debug for Tiers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tiers").field("stats", &self.stats).finish()
+    }
+}
+
+impl Tiers {
+    /// Sets up the tiers of a pool laid out as `pool` in `agent`'s memory: host memory and
+    /// the disk file are registered with the agent (peers can read them), the disk file is
+    /// scanned for the blocks of `fingerprint` a previous run left (reported as events, so
+    /// the router learns them at once), and the mover thread starts.
+    pub fn start(
+        agent: Arc<Agent>,
+        pool: PoolLayout,
+        cfg: &TierConfig,
+        fingerprint: u64,
+    ) -> Result<Tiers, KvbmError> {
+        let pad = disk::align_up(pool.block_bytes);
+        let host_slots = (cfg.host_bytes / (2 * pad).max(1)) as usize;
+        if host_slots == 0 {
+            return Err(KvbmError::Config(format!(
+                "the host tier must hold at least one block of {} bytes",
+                2 * pad
+            )));
+        }
+        let host = agent.alloc_mem(host_slots as u64 * 2 * pad)?;
+        let headers = agent.alloc_mem(MAX_PERSIST as u64 * HEADER_BYTES)?;
+        let mut stamp = 1;
+        let mut events = Vec::new();
+        let (disk, disk_geo, disk_file) = match &cfg.disk {
+            None => (None, None, None),
+            Some(d) => {
+                let layout = DiskLayout::new(pool.block_bytes, d.bytes);
+                if layout.slots == 0 {
+                    return Err(KvbmError::Config(format!(
+                        "the disk tier must hold at least one block of {} bytes",
+                        layout.stride()
+                    )));
+                }
+                let file = disk::open(&d.dir, &d.file, &layout)?;
+                let found = disk::scan(&file, &layout, fingerprint)?;
+                if found.foreign + found.torn > 0 {
+                    tracing::info!(
+                        foreign = found.foreign,
+                        torn = found.torn,
+                        "disk KV tier: dropped blocks of another model or layout, and torn ones"
+                    );
+                }
+                stamp = found.blocks.iter().map(|(_, h)| h.stamp).max().unwrap_or(0) + 1;
+                let blocks: Vec<(u32, BlockMeta)> =
+                    found.blocks.iter().map(|(s, h)| (*s, h.meta())).collect();
+                let slots = SlotPool::with_blocks(layout.slots as usize, blocks);
+                for (parent, block) in parents_first(&slots.ready_blocks()) {
+                    events.push(TierEvent::Stored { tier: StorageTier::Disk, parent, block });
+                }
+                let region = agent.register_file(&file.path, 0, layout.file_bytes())?;
+                (Some(slots), Some((region, layout)), Some(file))
+            }
+        };
+        let geo = Geometry { pool, host, disk: disk_geo, headers };
+        let mover = Mover::new(agent, geo, cfg.timeout)?;
+        let (jobs_tx, jobs_rx) = sync_channel(JOB_QUEUE);
+        let (done_tx, done_rx) = sync_channel(JOB_QUEUE + 1);
+        let thread = std::thread::Builder::new()
+            .name("kvx-kvbm".into())
+            .spawn(move || mover.run(jobs_rx, done_tx))
+            .map_err(|e| KvbmError::Config(format!("starting the KV mover thread: {e}")))?;
+        let mut t = Tiers {
+            host: SlotPool::new(host_slots),
+            min_hits: cfg.disk.as_ref().map_or(0, |d| d.min_hits),
+            disk_stopped: false,
+            fingerprint,
+            block_bytes: pool.block_bytes,
+            stamp,
+            jobs: Some(jobs_tx),
+            done: done_rx,
+            thread: Some(thread),
+            next_job: 1,
+            pending: HashMap::new(),
+            offers: Vec::new(),
+            persists: Vec::new(),
+            events,
+            stats: TierMetrics::default(),
+            _disk_file: disk_file,
+            disk,
+        };
+        t.refresh_sizes();
+        Ok(t)
+    }
+
+    /// The pool registered block `block` as `seq_hash`: it is copied to host memory unless a
+    /// tier has it. True when the shard must pin the block until [`Action::Unpin`].
+    pub fn offer(
+        &mut self,
+        block: u32,
+        seq_hash: SequenceHash,
+        local_hash: LocalBlockHash,
+        parent: Option<SequenceHash>,
+    ) -> bool {
+        if self.host.find(seq_hash).is_some() {
+            return false;
+        }
+        let meta = BlockMeta { seq_hash, local_hash, parent, checksum: 0, hits: 0 };
+        let Some((slot, evicted)) = self.host.claim(meta) else { return false };
+        self.evicted(StorageTier::Host, evicted);
+        self.offers.push((block, slot));
+        true
+    }
+
+    /// Sends the offloads and disk writes gathered since the last flush to the mover.
+    pub fn flush(&mut self, out: &mut Vec<Action>) {
+        if !self.offers.is_empty() {
+            let pairs = std::mem::take(&mut self.offers);
+            let id = self.next_job;
+            if self.send(Job::Offload { id, pairs: pairs.clone() }) {
+                self.pending.insert(id, Pending::Offload(pairs));
+            } else {
+                for (b, s) in pairs {
+                    self.host.filled(s, false);
+                    out.push(Action::Unpin(b));
+                }
+            }
+        }
+        while !self.persists.is_empty() {
+            let n = self.persists.len().min(MAX_PERSIST);
+            let items: Vec<(u32, u32, Header)> = self.persists.drain(..n).collect();
+            let slots: Vec<(u32, u32)> = items.iter().map(|&(h, d, _)| (h, d)).collect();
+            let id = self.next_job;
+            if self.send(Job::Persist { id, items }) {
+                self.pending.insert(id, Pending::Persist(slots));
+            } else {
+                for (h, d) in slots {
+                    self.host.unpin(h);
+                    if let Some(disk) = self.disk.as_mut() {
+                        disk.filled(d, false);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A new request's prompt: `hashes` are its block hashes, of which the first `in_pool`
+    /// are in the engine's pool (reused: they count as hits where a tier holds them too).
+    /// Returns the run after them found below (at most `max` blocks), pinned.
+    pub fn lookup(&mut self, hashes: &[SequenceHash], in_pool: usize, max: usize) -> Lookup {
+        for &h in hashes.iter().take(in_pool) {
+            if let Some(s) = self.host.find_ready(h) {
+                self.hit_host(s);
+            }
+        }
+        let mut found = Lookup::default();
+        for &h in hashes.iter().skip(in_pool).take(max) {
+            self.stats.lookups += 1;
+            if let Some(s) = self.host.find_ready(h) {
+                self.stats.hits_host += 1;
+                self.hit_host(s);
+                self.host.pin(s);
+                found.srcs.push((h, Src::Host(s)));
+            } else if let Some(s) = self.disk.as_ref().and_then(|d| d.find_ready(h)) {
+                self.stats.hits_disk += 1;
+                if let Some(d) = self.disk.as_mut() {
+                    d.touch(s);
+                    d.pin(s);
+                }
+                found.srcs.push((h, Src::Disk(s)));
+            } else {
+                break;
+            }
+        }
+        found
+    }
+
+    /// Drops the pins of a lookup that will not load.
+    pub fn forget(&mut self, l: Lookup) {
+        for (_, src) in l.srcs {
+            self.unpin(src);
+        }
+    }
+
+    /// Loads looked-up blocks into the pool blocks `blocks` the engine reserved for request
+    /// `id` (in prefix order); [`Action::Loaded`] comes from [`Tiers::poll`] when done (at
+    /// once, with 0 blocks, when nothing can be loaded).
+    pub fn load(&mut self, id: RequestId, l: Lookup, blocks: &[u32], out: &mut Vec<Action>) {
+        let n = l.srcs.len().min(blocks.len());
+        let mut srcs = Vec::with_capacity(n);
+        let (mut reads, mut copies, mut staged) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, (_, src)) in l.srcs.into_iter().enumerate() {
+            // A block that cannot be loaded ends the prefix: nothing after it is.
+            if i >= n || copies.len() < i {
+                self.unpin(src);
+                continue;
+            }
+            let host_slot = match src {
+                Src::Host(s) => Some(s),
+                // From disk through a host slot (the block is not in host memory).
+                Src::Disk(d) => {
+                    let meta = self.disk.as_ref().and_then(|p| p.meta(d)).copied();
+                    let claimed =
+                        meta.and_then(|m| Some((m, self.host.claim(BlockMeta { hits: 0, ..m })?)));
+                    claimed.map(|(m, (hs, evicted))| {
+                        self.evicted(StorageTier::Host, evicted);
+                        reads.push((d, hs, m.checksum));
+                        staged.push((d, hs));
+                        hs
+                    })
+                }
+            };
+            match host_slot {
+                Some(hs) => {
+                    srcs.push(src);
+                    copies.push((hs, blocks[i]));
+                }
+                None => self.unpin(src),
+            }
+        }
+        let job = self.next_job;
+        if copies.is_empty() || !self.send(Job::Load { id: job, reads, copies }) {
+            self.end_load(id, &srcs, &staged, &[], 0, out);
+            return;
+        }
+        self.pending.insert(job, Pending::Load { id, srcs, staged });
+    }
+
+    /// Takes the mover's finished jobs: events, metrics, and what the shard must do.
+    pub fn poll(&mut self, out: &mut Vec<Action>) {
+        loop {
+            let d = match self.done.try_recv() {
+                Ok(d) => d,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.fail_all(out);
+                    break;
+                }
+            };
+            self.finish(d, out);
+        }
+        self.flush(out);
+        self.refresh_sizes();
+    }
+
+    /// Whether copies are in flight (the shard then polls often).
+    pub fn busy(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Hands the tier events to `f` in order and forgets them.
+    pub fn drain_events(&mut self, mut f: impl FnMut(TierEvent)) {
+        for e in self.events.drain(..) {
+            f(e);
+        }
+    }
+
+    /// Every block the tiers hold, `(tier, parent, block)`, parents first within a tier.
+    pub fn snapshot(&self) -> Vec<(StorageTier, Option<SequenceHash>, StoredBlock)> {
+        let mut out = Vec::new();
+        let tiers =
+            [(StorageTier::Host, Some(&self.host)), (StorageTier::Disk, self.disk.as_ref())];
+        for (tier, pool) in tiers {
+            if let Some(p) = pool {
+                out.extend(parents_first(&p.ready_blocks()).map(|(pa, b)| (tier, pa, b)));
+            }
+        }
+        out
+    }
+
+    /// Counters and sizes.
+    pub fn metrics(&self) -> TierMetrics {
+        self.stats
+    }
+
+    fn send(&mut self, job: Job) -> bool {
+        let Some(tx) = &self.jobs else { return false };
+        match tx.try_send(job) {
+            Ok(()) => {
+                self.next_job += 1;
+                true
+            }
+            Err(TrySendError::Full(_)) => false,
+            Err(TrySendError::Disconnected(_)) => {
+                self.jobs = None;
+                false
+            }
+        }
+    }
+
+    fn unpin(&mut self, src: Src) {
+        match src {
+            Src::Host(s) => self.host.unpin(s),
+            Src::Disk(s) => {
+                if let Some(d) = self.disk.as_mut() {
+                    d.unpin(s);
+                }
+            }
+        }
+    }
+
+    fn evicted(&mut self, tier: StorageTier, m: Option<BlockMeta>) {
+        if let Some(m) = m {
+            self.events.push(TierEvent::Removed { tier, seq_hash: m.seq_hash });
+        }
+    }
+
+    /// A reuse of the block in host slot `s`; it goes to disk once reused often enough.
+    fn hit_host(&mut self, s: u32) {
+        let hits = self.host.touch(s);
+        if hits >= self.min_hits {
+            self.queue_persist(s);
+        }
+    }
+
+    /// Writes a ready host block to disk unless it is there (or the disk tier stopped).
+    fn queue_persist(&mut self, s: u32) {
+        if self.disk_stopped {
+            return;
+        }
+        let Some(meta) = self.host.meta(s).copied() else { return };
+        let Some(disk) = self.disk.as_mut() else { return };
+        if self.host.state(s) != SlotState::Ready || disk.find(meta.seq_hash).is_some() {
+            return;
+        }
+        let Some((d, evicted)) = disk.claim(BlockMeta { hits: 0, ..meta }) else { return };
+        self.evicted(StorageTier::Disk, evicted);
+        self.host.pin(s);
+        let header = Header {
+            fingerprint: self.fingerprint,
+            seq_hash: meta.seq_hash,
+            local_hash: meta.local_hash,
+            parent: meta.parent,
+            data_len: 2 * self.block_bytes,
+            checksum: 0,
+            stamp: self.stamp,
+        };
+        self.stamp += 1;
+        self.persists.push((s, d, header));
+    }
+
+    fn finish(&mut self, d: Done, out: &mut Vec<Action>) {
+        match d {
+            Done::Offload { id, ok, bytes, secs } => {
+                let Some(Pending::Offload(pairs)) = self.pending.remove(&id) else { return };
+                self.stats.offload_bytes += bytes;
+                self.stats.offload_seconds += secs;
+                for (b, s) in pairs {
+                    out.push(Action::Unpin(b));
+                    self.host.filled(s, ok);
+                    if !ok {
+                        continue;
+                    }
+                    self.stats.offloaded_host += 1;
+                    self.stored(StorageTier::Host, s);
+                    if self.min_hits == 0 {
+                        self.queue_persist(s);
+                    }
+                }
+            }
+            Done::Persist { id, results, bytes, secs } => {
+                let Some(Pending::Persist(slots)) = self.pending.remove(&id) else { return };
+                self.stats.offload_bytes += bytes;
+                self.stats.offload_seconds += secs;
+                for ((h, d), r) in slots.into_iter().zip(results) {
+                    self.host.unpin(h);
+                    let Some(disk) = self.disk.as_mut() else { continue };
+                    match r {
+                        Ok(sum) => {
+                            disk.set_checksum(d, sum);
+                            disk.filled(d, true);
+                            self.stats.offloaded_disk += 1;
+                            self.stored_disk(d);
+                        }
+                        Err(e) => {
+                            disk.filled(d, false);
+                            self.stats.disk_errors += 1;
+                            if !self.disk_stopped {
+                                self.disk_stopped = true;
+                                self.stats.disk_stopped = true;
+                                tracing::warn!(
+                                    error = %e,
+                                    "writing KV blocks to disk failed: offload to disk stops \
+                                     (blocks on disk stay readable; serving goes on)"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            Done::Load { id, reads, copied, bytes, secs } => {
+                let Some(Pending::Load { id: req, srcs, staged }) = self.pending.remove(&id) else {
+                    return;
+                };
+                self.stats.onboard_bytes += bytes;
+                self.stats.onboard_seconds += secs;
+                self.end_load(req, &srcs, &staged, &reads, copied, out);
+            }
+        }
+    }
+
+    /// Ends a load: staged host slots are kept (ready) or freed, disk blocks whose bytes
+    /// failed their checksum are dropped, pins go, and the shard learns how much arrived.
+    /// `reads` says per staged block whether it was read and matched (`None`: not read).
+    fn end_load(
+        &mut self,
+        id: RequestId,
+        srcs: &[Src],
+        staged: &[(u32, u32)],
+        reads: &[Option<bool>],
+        copied: usize,
+        out: &mut Vec<Action>,
+    ) {
+        let mut dropped = Vec::new();
+        for (&(d, hs), &read) in staged.iter().zip(reads.iter().chain(std::iter::repeat(&None))) {
+            self.host.filled(hs, read == Some(true));
+            match read {
+                Some(true) => self.stored(StorageTier::Host, hs),
+                Some(false) => {
+                    self.stats.checksum_failures += 1;
+                    self.unpin(Src::Disk(d));
+                    dropped.push(d);
+                    if let Some(m) = self.disk.as_mut().and_then(|p| p.drop_slot(d)) {
+                        tracing::warn!(
+                            block = m.seq_hash.0,
+                            "a KV block on disk failed its checksum"
+                        );
+                        self.events.push(TierEvent::Removed {
+                            tier: StorageTier::Disk,
+                            seq_hash: m.seq_hash,
+                        });
+                    }
+                }
+                None => {}
+            }
+        }
+        for (i, &src) in srcs.iter().enumerate() {
+            match src {
+                Src::Disk(d) if dropped.contains(&d) => continue,
+                Src::Disk(_) if i < copied => self.stats.onboarded_disk += 1,
+                Src::Host(_) if i < copied => self.stats.onboarded_host += 1,
+                _ => {}
+            }
+            self.unpin(src);
+        }
+        out.push(Action::Loaded { id, blocks: copied });
+    }
+
+    fn stored(&mut self, tier: StorageTier, s: u32) {
+        if let Some(m) = self.host.meta(s) {
+            let block = StoredBlock { seq_hash: m.seq_hash, local_hash: m.local_hash };
+            self.events.push(TierEvent::Stored { tier, parent: m.parent, block });
+        }
+    }
+
+    fn stored_disk(&mut self, d: u32) {
+        if let Some(m) = self.disk.as_ref().and_then(|p| p.meta(d)) {
+            let block = StoredBlock { seq_hash: m.seq_hash, local_hash: m.local_hash };
+            self.events.push(TierEvent::Stored {
+                tier: StorageTier::Disk,
+                parent: m.parent,
+                block,
+            });
+        }
+    }
+
+    /// The mover is gone: every job fails (pins dropped, loads end with nothing).
+    fn fail_all(&mut self, out: &mut Vec<Action>) {
+        self.jobs = None;
+        let ids: Vec<u64> = self.pending.keys().copied().collect();
+        for id in ids {
+            let d = match &self.pending[&id] {
+                Pending::Offload(_) => Done::Offload { id, ok: false, bytes: 0, secs: 0.0 },
+                Pending::Persist(s) => Done::Persist {
+                    id,
+                    results: s.iter().map(|_| Err("the KV mover stopped".into())).collect(),
+                    bytes: 0,
+                    secs: 0.0,
+                },
+                Pending::Load { .. } => {
+                    Done::Load { id, reads: Vec::new(), copied: 0, bytes: 0, secs: 0.0 }
+                }
+            };
+            self.finish(d, out);
+        }
+    }
+
+    fn refresh_sizes(&mut self) {
+        self.stats.host_blocks = self.host.ready() as u64;
+        self.stats.host_capacity = self.host.capacity() as u64;
+        self.stats.disk_blocks = self.disk.as_ref().map_or(0, |d| d.ready() as u64);
+        self.stats.disk_capacity = self.disk.as_ref().map_or(0, |d| d.capacity() as u64);
+    }
+
+    /// Bytes a block takes in host memory.
+    pub fn host_block_bytes(&self) -> u64 {
+        2 * disk::align_up(self.block_bytes)
+    }
+
+    /// Checks the slot tables (tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.host.check_invariants()?;
+        if let Some(d) = &self.disk {
+            d.check_invariants()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Tiers {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            // The mover ends when its queue closes (after the job it runs, bounded by the
+            // transfer timeout).
+            let _ = t.join();
+        }
+    }
+}
+
+/// Blocks ordered so that a parent held in the same list comes before its children.
+fn parents_first(
+    blocks: &[(u32, BlockMeta)],
+) -> impl Iterator<Item = (Option<SequenceHash>, StoredBlock)> + use<> {
+    let by_hash: HashMap<SequenceHash, Option<SequenceHash>> =
+        blocks.iter().map(|(_, m)| (m.seq_hash, m.parent)).collect();
+    let depth = |mut p: Option<SequenceHash>| {
+        let mut d = 0usize;
+        while let Some(h) = p {
+            match by_hash.get(&h) {
+                Some(&next) if d <= by_hash.len() => {
+                    d += 1;
+                    p = next;
+                }
+                _ => break,
+            }
+        }
+        d
+    };
+    let mut v: Vec<(usize, Option<SequenceHash>, StoredBlock)> = blocks
+        .iter()
+        .map(|(_, m)| {
+            (
+                depth(m.parent),
+                m.parent,
+                StoredBlock { seq_hash: m.seq_hash, local_hash: m.local_hash },
+            )
+        })
+        .collect();
+    v.sort_by_key(|(d, _, _)| *d);
+    v.into_iter().map(|(_, p, b)| (p, b))
+}
