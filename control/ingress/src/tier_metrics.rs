@@ -25,10 +25,10 @@ pub(crate) struct TierFamilies {
     onboarded: Family<TierLabel, Counter>,
     hits: Family<TierLabel, Counter>,
     lookups: Family<WorkerLabel, Counter>,
-    offload_bytes: Family<WorkerLabel, Counter>,
-    offload_seconds: Family<WorkerLabel, CounterF>,
-    onboard_bytes: Family<WorkerLabel, Counter>,
-    onboard_seconds: Family<WorkerLabel, CounterF>,
+    offload_bytes: Family<TierLabel, Counter>,
+    offload_seconds: Family<TierLabel, CounterF>,
+    onboard_bytes: Family<TierLabel, Counter>,
+    onboard_seconds: Family<TierLabel, CounterF>,
     checksum_failures: Family<WorkerLabel, Counter>,
     disk_errors: Family<WorkerLabel, Counter>,
     disk_stopped: Family<WorkerLabel, Gauge>,
@@ -66,10 +66,30 @@ impl TierFamilies {
                 WorkerLabel,
                 Counter
             ),
-            offload_bytes: fam!("offload_bytes", "Bytes copied down", WorkerLabel, Counter),
-            offload_seconds: fam!("offload_seconds", "Time of copies down", WorkerLabel, CounterF),
-            onboard_bytes: fam!("onboard_bytes", "Bytes loaded up", WorkerLabel, Counter),
-            onboard_seconds: fam!("onboard_seconds", "Time of loads up", WorkerLabel, CounterF),
+            offload_bytes: fam!(
+                "offload_bytes",
+                "Bytes copied down into a tier",
+                TierLabel,
+                Counter
+            ),
+            offload_seconds: fam!(
+                "offload_seconds",
+                "Time of copies down into a tier",
+                TierLabel,
+                CounterF
+            ),
+            onboard_bytes: fam!(
+                "onboard_bytes",
+                "Bytes of loads into the pool, by the lowest tier read",
+                TierLabel,
+                Counter
+            ),
+            onboard_seconds: fam!(
+                "onboard_seconds",
+                "Time of loads into the pool, by the lowest tier read",
+                TierLabel,
+                CounterF
+            ),
             checksum_failures: fam!(
                 "checksum_failures",
                 "Blocks on disk that failed their checksum (computed instead)",
@@ -100,38 +120,36 @@ impl TierFamilies {
         let tl = |tier: &str| [("worker", w.to_string()), ("tier", tier.to_string())];
         let store = |c: &Counter, v: u64| c.inner().store(v, Ordering::Relaxed);
         let store_f = |c: &CounterF, v: f64| c.inner().store(v.to_bits(), Ordering::Relaxed);
-        for (tier, blocks, cap, off, on, hits) in [
-            (
-                "host",
-                t.host_blocks,
-                t.host_capacity,
-                t.offloaded_host,
-                t.onboarded_host,
-                t.hits_host,
-            ),
-            (
-                "disk",
-                t.disk_blocks,
-                t.disk_capacity,
-                t.offloaded_disk,
-                t.onboarded_disk,
-                t.hits_disk,
-            ),
-        ] {
+        let host =
+            [t.host_blocks, t.host_capacity, t.offloaded_host, t.onboarded_host, t.hits_host];
+        let disk =
+            [t.disk_blocks, t.disk_capacity, t.offloaded_disk, t.onboarded_disk, t.hits_disk];
+        let host_io = (
+            [t.offload_host_bytes, t.onboard_host_bytes],
+            [t.offload_host_seconds, t.onboard_host_seconds],
+        );
+        let disk_io = (
+            [t.offload_disk_bytes, t.onboard_disk_bytes],
+            [t.offload_disk_seconds, t.onboard_disk_seconds],
+        );
+        for (tier, [blocks, cap, off, on, hits], ([off_b, on_b], [off_s, on_s])) in
+            [("host", host, host_io), ("disk", disk, disk_io)]
+        {
             if cap == 0 {
                 continue;
             }
-            self.blocks.get_or_create(&tl(tier)).set(blocks as i64);
-            self.capacity.get_or_create(&tl(tier)).set(cap as i64);
-            store(&self.offloaded.get_or_create(&tl(tier)), off);
-            store(&self.onboarded.get_or_create(&tl(tier)), on);
-            store(&self.hits.get_or_create(&tl(tier)), hits);
+            let tl = tl(tier);
+            self.blocks.get_or_create(&tl).set(blocks as i64);
+            self.capacity.get_or_create(&tl).set(cap as i64);
+            store(&self.offloaded.get_or_create(&tl), off);
+            store(&self.onboarded.get_or_create(&tl), on);
+            store(&self.hits.get_or_create(&tl), hits);
+            store(&self.offload_bytes.get_or_create(&tl), off_b);
+            store_f(&self.offload_seconds.get_or_create(&tl), off_s);
+            store(&self.onboard_bytes.get_or_create(&tl), on_b);
+            store_f(&self.onboard_seconds.get_or_create(&tl), on_s);
         }
         store(&self.lookups.get_or_create(&l), t.lookups);
-        store(&self.offload_bytes.get_or_create(&l), t.offload_bytes);
-        store_f(&self.offload_seconds.get_or_create(&l), t.offload_seconds);
-        store(&self.onboard_bytes.get_or_create(&l), t.onboard_bytes);
-        store_f(&self.onboard_seconds.get_or_create(&l), t.onboard_seconds);
         store(&self.checksum_failures.get_or_create(&l), t.checksum_failures);
         store(&self.disk_errors.get_or_create(&l), t.disk_errors);
         self.disk_stopped.get_or_create(&l).set(i64::from(t.disk_stopped));

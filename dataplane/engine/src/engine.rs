@@ -14,9 +14,9 @@ use kvx_kernels::cpu::Kernels;
 use kvx_kernels::model::{KvCache, KvMemory, LlamaModel, Logits, Scratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::KvRole;
-use kvx_proto::hashing::{BlockHasher, seed_for};
+use kvx_proto::hashing::seed_for;
 use kvx_proto::{
-    FinishReason, GenerateRequest, LoadReport, RequestId, SequenceHash, TopLogprob, Usage, WorkerId,
+    FinishReason, GenerateRequest, LoadReport, RequestId, TopLogprob, Usage, WorkerId,
 };
 use kvx_tokenizer::Tokenizer;
 
@@ -24,7 +24,9 @@ use crate::EngineError;
 use crate::block_pool::BlockEvent;
 use crate::output::OutputState;
 use crate::sampler::{Sampler, SamplerState, SamplingParams};
-use crate::scheduler::{AddError, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqStatus};
+use crate::scheduler::{
+    AddError, LowerTiers, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqStatus,
+};
 
 /// What computes a step: fills one row of logits per chunk that wants one (`logits`), in order.
 pub trait Backend: Send {
@@ -155,9 +157,8 @@ pub struct SeqEvent {
 pub enum Admission {
     /// Queued for admission.
     Queued,
-    /// Reserved for KV from a prefill engine ([`KvRole::AwaitKv`]) or a lower KV tier
-    /// ([`Engine::onboard`]): the prompt's block `first_block` on (those before are cached
-    /// here) goes into `blocks`.
+    /// Reserved for KV from a prefill engine ([`KvRole::AwaitKv`]): the prompt's block
+    /// `first_block` on (those before are cached here) goes into `blocks`.
     Reserved {
         /// Index of the first block to receive.
         first_block: usize,
@@ -358,44 +359,11 @@ impl Engine {
         self.sched.pool_mut().drain_events(f);
     }
 
-    /// Queues a request (or, for [`KvRole::AwaitKv`], reserves its blocks).
-    pub fn add(&mut self, req: &GenerateRequest) -> Result<Admission, EngineError> {
-        self.add_inner(req, None)
-    }
-
-    /// Takes a request whose prompt's first `blocks` full blocks (those the prefix cache
-    /// holds, then those a lower KV tier holds) are to be loaded rather than computed: its
-    /// blocks for them are reserved and it waits for [`Engine::onboarded`]
-    /// ([`Admission::Reserved`] names the blocks to fill), or, without room now, it is queued
-    /// as [`Engine::add`] would ([`Admission::NotReserved`]). Only for [`KvRole::Local`]
-    /// requests that do not resume.
-    pub fn onboard(
-        &mut self,
-        req: &GenerateRequest,
-        blocks: usize,
-    ) -> Result<Admission, EngineError> {
-        if !matches!(req.kv, KvRole::Local) || !req.resume.is_empty() {
-            return Err(EngineError::BadRequest("only new local requests load KV".into()));
-        }
-        self.add_inner(req, Some(blocks))
-    }
-
-    /// The first `tokens` of a request taken by [`Engine::onboard`] are loaded (fewer than
-    /// asked when a load failed part-way): it computes the rest of its prompt, and the loaded
-    /// tokens count as cached. False if it was not loading.
+    /// The first `tokens` of a request whose blocks [`Engine::step_with`] sent to load are
+    /// loaded (fewer than asked when a load failed part-way): it computes the rest of its
+    /// prompt, and the loaded tokens count as cached. False if it was not loading.
     pub fn onboarded(&mut self, id: RequestId, tokens: usize) -> bool {
         self.by_id.get(&id).is_some_and(|&sid| self.sched.kv_arrived_upto(sid, tokens))
-    }
-
-    /// The block hashes of a prompt as the prefix cache keys them (`salt` as the request's).
-    pub fn prompt_hashes(&self, prompt: &[u32], salt: Option<&str>) -> Vec<SequenceHash> {
-        let mut h = BlockHasher::new(self.cfg.sched.block_size, seed_for(salt, None));
-        prompt.iter().filter_map(|&t| h.push(t)).map(|(_, s)| s).collect()
-    }
-
-    /// The leading blocks of `hashes` that the prefix cache holds now.
-    pub fn cached_prefix(&self, hashes: &[SequenceHash]) -> usize {
-        self.sched.cached_prefix(hashes)
     }
 
     /// Pins a registered block so that its content stays while something reads it (a copy
@@ -409,11 +377,8 @@ impl Engine {
         self.sched.pool_mut().unpin(b);
     }
 
-    fn add_inner(
-        &mut self,
-        req: &GenerateRequest,
-        onboard: Option<usize>,
-    ) -> Result<Admission, EngineError> {
+    /// Queues a request (or, for [`KvRole::AwaitKv`], reserves its blocks).
+    pub fn add(&mut self, req: &GenerateRequest) -> Result<Admission, EngineError> {
         if self.by_id.contains_key(&req.id) {
             return Err(EngineError::BadRequest(format!(
                 "request id {} is already in use",
@@ -469,32 +434,18 @@ impl Engine {
                 "resumed token {t} is outside the vocabulary of {vocab}"
             )));
         }
-        let (sid, admission) = match (&req.kv, onboard) {
-            (KvRole::Local, Some(blocks)) => {
-                match self.sched.reserve_prefix(req.id, &req.prompt, max_tokens, seed, blocks) {
-                    Ok(Some(sid)) => {
-                        let (first_block, blocks) = self.sched.reserved(sid).unwrap_or((0, &[]));
-                        (Ok(sid), Admission::Reserved { first_block, blocks: blocks.to_vec() })
-                    }
-                    Ok(None) => (
-                        self.sched.add(req.id, &req.prompt, max_tokens, seed),
-                        Admission::NotReserved,
-                    ),
-                    Err(e) => (Err(e), Admission::Queued),
-                }
-            }
-            (KvRole::Local, _) if !req.resume.is_empty() => (
+        let (sid, admission) = match &req.kv {
+            KvRole::Local if !req.resume.is_empty() => (
                 self.sched.add_resumed(req.id, &req.prompt, &req.resume, max_tokens, seed),
                 Admission::Queued,
             ),
-            (KvRole::Local, None) => {
+            KvRole::Local => {
                 (self.sched.add(req.id, &req.prompt, max_tokens, seed), Admission::Queued)
             }
-            (KvRole::PrefillTo(_), _) => {
+            KvRole::PrefillTo(_) => {
                 (self.sched.add_prefill_only(req.id, &req.prompt, seed), Admission::Queued)
             }
-            (KvRole::AwaitKv, _) => match self.sched.reserve(req.id, &req.prompt, max_tokens, seed)
-            {
+            KvRole::AwaitKv => match self.sched.reserve(req.id, &req.prompt, max_tokens, seed) {
                 Ok(Some(sid)) => {
                     let (first_block, blocks) = self.sched.reserved(sid).unwrap_or((0, &[]));
                     (Ok(sid), Admission::Reserved { first_block, blocks: blocks.to_vec() })
@@ -609,6 +560,15 @@ impl Engine {
 
     /// Runs one step and returns its outputs.
     pub fn step(&mut self) -> Result<&StepOutput, EngineError> {
+        self.step_with(None)
+    }
+
+    /// Runs one step in which the sequences admitted from the queue load the prompt blocks
+    /// `lower` holds (they wait, parked, until [`Engine::onboarded`]); returns its outputs.
+    pub fn step_with(
+        &mut self,
+        lower: Option<&mut dyn LowerTiers>,
+    ) -> Result<&StepOutput, EngineError> {
         let t0 = Instant::now();
         self.out.clear();
         for (id, usage) in self.cancelled.drain(..) {
@@ -626,7 +586,7 @@ impl Engine {
         }
         let now = self.clock_ms();
         self.sched.release_quarantine(now);
-        self.sched.schedule(&mut self.plan);
+        self.sched.schedule_with(&mut self.plan, lower);
         self.stats.preemptions += self.plan.preempted.len() as u64;
         if self.plan.chunks.is_empty() {
             self.report_prefilled();

@@ -16,6 +16,7 @@ use kvx_proto::ErrorClass;
 pub use engine::{
     Admission, Backend, Engine, EngineConfig, EngineStats, ModelBackend, SeqEvent, StepOutput,
 };
+pub use scheduler::LowerTiers;
 
 /// Errors of the engine, classified for the request path.
 #[derive(Debug, thiserror::Error)]

@@ -40,6 +40,30 @@ use crate::block_pool::{BlockId, BlockPool};
 /// Index of a sequence in the scheduler.
 pub type SeqId = usize;
 
+/// KV tiers below the pool (host memory, disk), as admission sees them: a sequence admitted
+/// from the queue whose prompt continues, after the blocks the pool holds, in blocks a tier
+/// holds gets pool blocks for them and waits while they are loaded, instead of computing
+/// them.
+pub trait LowerTiers {
+    /// How many of `below` (the sequence's next blocks, in order) the tiers hold, from the
+    /// first; `in_pool` are the blocks before them, which the pool holds (reused now).
+    fn probe(
+        &mut self,
+        in_pool: &[(LocalBlockHash, SequenceHash)],
+        below: &[(LocalBlockHash, SequenceHash)],
+    ) -> usize;
+    /// Starts loading `blocks` (in order) into the pool blocks `into` for request `id`,
+    /// whose block `first` is the first of them. The owner reports the end with
+    /// [`Scheduler::kv_arrived_upto`] (through the engine).
+    fn load(
+        &mut self,
+        id: RequestId,
+        first: usize,
+        blocks: &[(LocalBlockHash, SequenceHash)],
+        into: &[BlockId],
+    );
+}
+
 /// Scheduler limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -115,6 +139,8 @@ pub struct Sequence {
     pub cached_prompt: usize,
     /// Tokens whose KV a parked sequence awaits (it runs from there once they arrive).
     await_end: usize,
+    /// Whether tokens loaded from a lower tier count as cached (at its first admission).
+    loaded_count_cached: bool,
     /// Times preempted.
     pub preemptions: u32,
     /// Queue state.
@@ -354,50 +380,12 @@ impl Scheduler {
         max_tokens: usize,
         seed: u64,
     ) -> Result<Option<SeqId>, AddError> {
-        self.reserve_upto(id, prompt, max_tokens, seed, None)
-    }
-
-    /// As [`reserve`](Self::reserve), for the prompt's first `blocks` full blocks only (those
-    /// that a lower KV tier holds, after the cached ones): the sequence is parked until
-    /// [`kv_arrived_upto`](Self::kv_arrived_upto) says how much of them arrived, then
-    /// computes the rest of its prompt. `blocks` is capped below the prompt's last token.
-    pub fn reserve_prefix(
-        &mut self,
-        id: RequestId,
-        prompt: &[u32],
-        max_tokens: usize,
-        seed: u64,
-        blocks: usize,
-    ) -> Result<Option<SeqId>, AddError> {
-        self.reserve_upto(id, prompt, max_tokens, seed, Some(blocks))
-    }
-
-    fn reserve_upto(
-        &mut self,
-        id: RequestId,
-        prompt: &[u32],
-        max_tokens: usize,
-        seed: u64,
-        blocks: Option<usize>,
-    ) -> Result<Option<SeqId>, AddError> {
-        let awaiting =
-            self.parked.iter().filter(|&&s| self.status(s) == Some(SeqStatus::AwaitingKv)).count();
-        if self.running.len() + awaiting >= self.cfg.max_num_seqs {
+        if self.running.len() + self.awaiting() >= self.cfg.max_num_seqs {
             return Ok(None);
         }
         let sid = self.new_sequence(id, prompt, max_tokens, seed, SeqKind::Generate)?;
         self.match_prefix(sid);
-        let bs = self.cfg.block_size;
-        // Blocks for the whole prompt (the transfer fills all but its last token), or for
-        // the prefix a tier holds.
-        let (grow, end) = match blocks {
-            None => (prompt.len(), prompt.len() - 1),
-            Some(n) => {
-                let end = (n * bs).min((prompt.len() - 1) / bs * bs);
-                (end, end)
-            }
-        };
-        if !self.grow_blocks(sid, grow) {
+        if !self.grow_blocks(sid, prompt.len()) {
             self.unmatch(sid);
             self.seqs[sid] = None;
             self.free_slots.push(sid);
@@ -407,19 +395,15 @@ impl Scheduler {
             seq.status = SeqStatus::AwaitingKv;
             seq.admitted_once = true;
             seq.cached_prompt = seq.computed.min(seq.prompt_len);
-            seq.await_end = end.max(seq.computed);
+            seq.await_end = prompt.len() - 1;
         }
         self.parked.push(sid);
         Ok(Some(sid))
     }
 
-    /// The leading blocks of `hashes` (a prompt's block hashes, in order) that the prefix
-    /// cache holds now, without counting a lookup.
-    pub fn cached_prefix(&self, hashes: &[SequenceHash]) -> usize {
-        if !self.cfg.prefix_caching {
-            return 0;
-        }
-        hashes.iter().take_while(|&&h| self.pool.contains(h)).count()
+    /// Sequences parked awaiting KV.
+    fn awaiting(&self) -> usize {
+        self.parked.iter().filter(|&&s| self.status(s) == Some(SeqStatus::AwaitingKv)).count()
     }
 
     /// The blocks of a reserved sequence that its KV goes into: the index of the first one
@@ -440,14 +424,16 @@ impl Scheduler {
         self.arrive(sid, end, false)
     }
 
-    /// The KV of the first `tokens` of a sequence reserved with
-    /// [`reserve_prefix`](Self::reserve_prefix) arrived (whole blocks; less than asked when
-    /// a load failed part-way): it runs from there, and those tokens count as cached. The
-    /// blocks past them stay its own and are computed. False if it was not awaiting KV.
+    /// The KV of the first `tokens` of a sequence that [`schedule_with`](Self::schedule_with)
+    /// sent to load from a lower tier arrived (whole blocks; fewer than asked when a load
+    /// failed part-way): it runs from there, and at its first admission those tokens count
+    /// as cached. The blocks past them stay its own and are computed. False if it was not
+    /// awaiting KV.
     pub fn kv_arrived_upto(&mut self, sid: SeqId, tokens: usize) -> bool {
         let bs = self.cfg.block_size.max(1);
-        let end = self.seq(sid).map_or(0, |s| tokens.min(s.await_end) / bs * bs);
-        self.arrive(sid, end, true)
+        let Some(seq) = self.seq(sid) else { return false };
+        let (end, cached) = (tokens.min(seq.await_end) / bs * bs, seq.loaded_count_cached);
+        self.arrive(sid, end, cached)
     }
 
     fn arrive(&mut self, sid: SeqId, end: usize, cached: bool) -> bool {
@@ -578,6 +564,7 @@ impl Scheduler {
             computed: 0,
             cached_prompt: 0,
             await_end: 0,
+            loaded_count_cached: false,
             preemptions: 0,
             status: SeqStatus::Waiting,
             kind,
@@ -591,6 +578,16 @@ impl Scheduler {
 
     /// Plans the next step into `out`.
     pub fn schedule(&mut self, out: &mut SchedulerOutput) {
+        self.schedule_with(out, None);
+    }
+
+    /// Plans the next step into `out`, loading from `lower` the prompt blocks it holds of the
+    /// sequences admitted from the queue (they wait, parked, while their blocks load).
+    pub fn schedule_with(
+        &mut self,
+        out: &mut SchedulerOutput,
+        mut lower: Option<&mut dyn LowerTiers>,
+    ) {
         out.clear();
         self.in_flight.clear();
         let mut budget = self.cfg.max_batched_tokens;
@@ -657,6 +654,19 @@ impl Scheduler {
                 at += 1;
                 continue;
             }
+            match lower.as_deref_mut().and_then(|l| self.onboard(sid, l)) {
+                Some(true) => {
+                    self.waiting.remove(at);
+                    continue;
+                }
+                Some(false) => {
+                    // Not enough free blocks to load into yet: it waits in its place.
+                    self.unmatch(sid);
+                    break;
+                }
+                None => {}
+            }
+            let Some(seq) = self.seqs[sid].as_ref() else { break };
             let remaining = seq.target() - seq.computed;
             if remaining == 0 {
                 // A prefill-only prompt the cache holds whole: done at once.
@@ -681,6 +691,42 @@ impl Scheduler {
             self.note_in_flight(sid, end);
             budget -= n;
         }
+    }
+
+    /// Loads the blocks after a sequence's prefix match that `lower` holds: `None` when it
+    /// holds none (compute as usual), `Some(false)` when the pool has no room for them now
+    /// or the step has no room for another sequence, `Some(true)` when the sequence is
+    /// parked with blocks for them and their load started.
+    fn onboard(&mut self, sid: SeqId, lower: &mut dyn LowerTiers) -> Option<bool> {
+        if !self.cfg.prefix_caching {
+            return None;
+        }
+        let bs = self.cfg.block_size;
+        let seq = self.seqs[sid].as_ref()?;
+        let k = seq.blocks.len();
+        // At least one token is computed, for its logits.
+        let max = (seq.target().max(1) - 1).min(seq.tokens.len() - 1) / bs;
+        if k >= max {
+            return None;
+        }
+        let n = lower.probe(&seq.hashes[..k], &seq.hashes[k..max.min(seq.hashes.len())]);
+        if n == 0 {
+            return None;
+        }
+        let first_admission = !seq.admitted_once;
+        if self.running.len() + self.awaiting() >= self.cfg.max_num_seqs
+            || !self.grow_blocks(sid, (k + n) * bs)
+        {
+            return Some(false);
+        }
+        self.admit(sid);
+        let seq = self.seqs[sid].as_mut()?;
+        seq.status = SeqStatus::AwaitingKv;
+        seq.await_end = (k + n) * bs;
+        seq.loaded_count_cached = first_admission;
+        lower.load(seq.id, k, &seq.hashes[k..k + n], &seq.blocks[k..k + n]);
+        self.parked.push(sid);
+        Some(true)
     }
 
     /// Marks a sequence leaving the queue as admitted.
@@ -1046,39 +1092,78 @@ mod tests {
         s.check_invariants().unwrap();
     }
 
+    /// A lower tier holding the blocks whose sequence hashes it was given.
+    #[derive(Default)]
+    struct Tier {
+        held: Vec<SequenceHash>,
+        loads: Vec<(RequestId, usize, usize, Vec<BlockId>)>,
+        reused: usize,
+    }
+
+    impl LowerTiers for Tier {
+        fn probe(
+            &mut self,
+            in_pool: &[(LocalBlockHash, SequenceHash)],
+            below: &[(LocalBlockHash, SequenceHash)],
+        ) -> usize {
+            self.reused += in_pool.len();
+            below.iter().take_while(|(_, h)| self.held.contains(h)).count()
+        }
+        fn load(
+            &mut self,
+            id: RequestId,
+            first: usize,
+            blocks: &[(LocalBlockHash, SequenceHash)],
+            into: &[BlockId],
+        ) {
+            assert_eq!(blocks.len(), into.len());
+            self.loads.push((id, first, blocks.len(), into.to_vec()));
+        }
+    }
+
+    fn hashes(tokens: &[u32], bs: usize) -> Vec<SequenceHash> {
+        let mut h = BlockHasher::new(bs, 0);
+        tokens.iter().filter_map(|&t| h.push(t)).map(|(_, s)| s).collect()
+    }
+
     #[test]
-    fn a_prefix_loaded_from_a_lower_tier_counts_as_cached_and_the_rest_is_computed() {
+    fn a_prefix_a_lower_tier_holds_is_loaded_counts_as_cached_and_the_rest_is_computed() {
         let mut s = Scheduler::new(cfg(64, 4), 16);
-        // Cache the first block (4 tokens) in the pool.
+        let mut out = SchedulerOutput::default();
+        // The pool caches the first block (4 tokens).
         let p: Vec<u32> = (0..22).collect();
         let warm = s.add(RequestId(1), &p[..5], 1, 0).unwrap();
-        let mut out = SchedulerOutput::default();
         step(&mut s, &mut out);
         s.remove(warm);
-        let hashes: Vec<SequenceHash> = {
-            let mut h = BlockHasher::new(4, 0);
-            p.iter().filter_map(|&t| h.push(t)).map(|(_, sh)| sh).collect()
-        };
-        assert_eq!(s.cached_prefix(&hashes), 1);
-        // A lower tier holds blocks 1..4: reserve the first 4 blocks (asking for more is
-        // capped below the last prompt token: 21 tokens hold 5 full blocks).
-        let r = s.reserve_prefix(RequestId(2), &p, 2, 0, 4).unwrap().unwrap();
-        let (first, dest) = s.reserved(r).unwrap();
-        assert_eq!((first, dest.len()), (1, 3));
-        step(&mut s, &mut out);
+        // The tier holds blocks 1..4, not block 4 (the last full one before token 21).
+        let h = hashes(&p, 4);
+        let mut tier = Tier { held: vec![h[1], h[2], h[3]], ..Tier::default() };
+        let r = s.add(RequestId(2), &p, 2, 0).unwrap();
+        s.schedule_with(&mut out, Some(&mut tier));
         assert!(out.chunks.is_empty(), "a loading sequence is not scheduled");
+        assert_eq!(tier.reused, 1);
+        assert_eq!(tier.loads.len(), 1);
+        let (id, first, n, into) = tier.loads[0].clone();
+        assert_eq!((id, first, n), (RequestId(2), 1, 3));
+        assert_eq!(&s.seq(r).unwrap().blocks[1..4], &into[..]);
         s.check_invariants().unwrap();
-        // Only blocks 1 and 2 loaded (the third failed its checksum): it runs from token 12.
-        assert!(s.kv_arrived_upto(r, 13));
-        assert_eq!(s.seq(r).unwrap().cached_prompt, 12);
+        // Two of the three arrived (the third failed its checksum): it runs from token 12.
+        assert!(s.kv_arrived_upto(r, 12));
+        assert_eq!(s.seq(r).unwrap().cached_prompt, 12, "loaded tokens count as cached");
         step(&mut s, &mut out);
         assert_eq!(out.chunks.iter().map(|c| (c.start, c.len)).collect::<Vec<_>>(), vec![(12, 10)]);
         assert!(!s.kv_arrived_upto(r, 16), "not awaiting any more");
         s.check_invariants().unwrap();
-        // Capped: a prompt of 9 tokens holds 2 full blocks before its last token.
-        let q = s.reserve_prefix(RequestId(3), &[9; 9], 1, 0, 5).unwrap().unwrap();
-        assert_eq!(s.reserved(q).map(|(f, d)| (f, d.len())), Some((0, 2)));
-        s.check_invariants().unwrap();
+        // Without room for the blocks to load into, the sequence waits in the queue.
+        let mut small = Scheduler::new(cfg(64, 4), 8);
+        small.add(RequestId(3), &[9; 22], 2, 0).unwrap();
+        step(&mut small, &mut out); // 6 of the 8 blocks in use
+        let mut tier = Tier { held: h[..5].to_vec(), ..Tier::default() };
+        let q = small.add(RequestId(4), &p, 2, 0).unwrap();
+        small.schedule_with(&mut out, Some(&mut tier));
+        assert!(tier.loads.is_empty() && small.seq(q).unwrap().status == SeqStatus::Waiting);
+        assert_eq!(small.pool().available(), 2, "what it took is back");
+        small.check_invariants().unwrap();
     }
 
     #[test]

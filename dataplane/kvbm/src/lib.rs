@@ -17,7 +17,7 @@ pub mod pool;
 pub mod tiers;
 
 pub use mover::PoolLayout;
-pub use tiers::{Action, DiskConfig, Lookup, TierConfig, TierEvent, Tiers};
+pub use tiers::{Action, DiskConfig, TierConfig, TierEvent, Tiers};
 
 /// Why tiers could not be set up.
 #[derive(Debug, thiserror::Error)]

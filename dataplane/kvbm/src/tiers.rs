@@ -11,11 +11,11 @@
 //!   every block, the default); the block stays in host memory too. A failed write stops
 //!   offload to disk (one warning, a metric); what is on disk stays readable.
 //! * **LRU** within each tier; a request's reuse of a block (in any tier) makes it recent.
-//! * **Onboarding.** A new request's prompt blocks after those in the pool are looked up
-//!   below ([`Tiers::lookup`]): the leading run found (in host memory, else on disk) is
-//!   pinned, and if the engine can reserve pool blocks for it, [`Tiers::load`] copies it in
-//!   (disk blocks through a host slot, their checksums checked on the way); the engine runs
-//!   the request from the end of what arrived ([`Action::Loaded`]).
+//! * **Onboarding.** When the engine admits a request, its prompt blocks after those in the
+//!   pool are looked up below ([`Tiers::probe`]); for the leading run found (in host memory,
+//!   else on disk) the engine gives pool blocks and [`Tiers::load`] copies it in (disk blocks
+//!   through a host slot, their checksums checked on the way); the engine runs the request
+//!   from the end of what arrived ([`Action::Loaded`]).
 //!
 //! Every change of what a tier holds is a [`TierEvent`] for the router.
 
@@ -101,25 +101,6 @@ pub enum Action {
 enum Src {
     Host(u32),
     Disk(u32),
-}
-
-/// Blocks found below the pool for a prompt, pinned until [`Tiers::load`] or
-/// [`Tiers::forget`] takes them.
-#[derive(Debug, Default)]
-pub struct Lookup {
-    srcs: Vec<(SequenceHash, Src)>,
-}
-
-impl Lookup {
-    /// Blocks found.
-    pub fn len(&self) -> usize {
-        self.srcs.len()
-    }
-
-    /// Whether none was.
-    pub fn is_empty(&self) -> bool {
-        self.srcs.is_empty()
-    }
 }
 
 /// A job in flight.
@@ -260,6 +241,14 @@ impl Tiers {
         true
     }
 
+    /// Takes back an offer not yet flushed (the shard could not pin the block).
+    pub fn withdraw(&mut self, block: u32) {
+        if let Some(i) = self.offers.iter().position(|&(b, _)| b == block) {
+            let (_, slot) = self.offers.swap_remove(i);
+            self.host.filled(slot, false);
+        }
+    }
+
     /// Sends the offloads and disk writes gathered since the last flush to the mover.
     pub fn flush(&mut self, out: &mut Vec<Action>) {
         if !self.offers.is_empty() {
@@ -292,79 +281,77 @@ impl Tiers {
         }
     }
 
-    /// A new request's prompt: `hashes` are its block hashes, of which the first `in_pool`
-    /// are in the engine's pool (reused: they count as hits where a tier holds them too).
-    /// Returns the run after them found below (at most `max` blocks), pinned.
-    pub fn lookup(&mut self, hashes: &[SequenceHash], in_pool: usize, max: usize) -> Lookup {
-        for &h in hashes.iter().take(in_pool) {
+    /// A prompt being admitted: `in_pool` are the hashes of its blocks the engine's pool holds
+    /// (reused now: where a tier holds them too they count as hits and become recent),
+    /// `below` those of the blocks after them. Returns how many of `below`, from the first,
+    /// a tier holds. (A request that waits for room in the pool is probed again each step.)
+    pub fn probe(
+        &mut self,
+        in_pool: impl IntoIterator<Item = SequenceHash>,
+        below: impl IntoIterator<Item = SequenceHash>,
+    ) -> usize {
+        for h in in_pool {
             if let Some(s) = self.host.find_ready(h) {
                 self.hit_host(s);
             }
         }
-        let mut found = Lookup::default();
-        for &h in hashes.iter().skip(in_pool).take(max) {
+        let mut n = 0;
+        for h in below {
             self.stats.lookups += 1;
             if let Some(s) = self.host.find_ready(h) {
                 self.stats.hits_host += 1;
                 self.hit_host(s);
-                self.host.pin(s);
-                found.srcs.push((h, Src::Host(s)));
-            } else if let Some(s) = self.disk.as_ref().and_then(|d| d.find_ready(h)) {
+            } else if let Some((d, s)) =
+                self.disk.as_mut().and_then(|d| d.find_ready(h).map(|s| (d, s)))
+            {
                 self.stats.hits_disk += 1;
-                if let Some(d) = self.disk.as_mut() {
-                    d.touch(s);
-                    d.pin(s);
-                }
-                found.srcs.push((h, Src::Disk(s)));
+                d.touch(s);
             } else {
                 break;
             }
+            n += 1;
         }
-        found
+        n
     }
 
-    /// Drops the pins of a lookup that will not load.
-    pub fn forget(&mut self, l: Lookup) {
-        for (_, src) in l.srcs {
-            self.unpin(src);
-        }
-    }
-
-    /// Loads looked-up blocks into the pool blocks `blocks` the engine reserved for request
-    /// `id` (in prefix order); [`Action::Loaded`] comes from [`Tiers::poll`] when done (at
-    /// once, with 0 blocks, when nothing can be loaded).
-    pub fn load(&mut self, id: RequestId, l: Lookup, blocks: &[u32], out: &mut Vec<Action>) {
-        let n = l.srcs.len().min(blocks.len());
-        let mut srcs = Vec::with_capacity(n);
+    /// Loads the blocks `hashes` (a prompt's, in order, as [`Tiers::probe`] found them) into
+    /// the pool blocks `into` for request `id`; [`Action::Loaded`] tells how many arrived,
+    /// from [`Tiers::poll`] (at once, with 0, when nothing can be loaded).
+    pub fn load(
+        &mut self,
+        id: RequestId,
+        hashes: impl IntoIterator<Item = SequenceHash>,
+        into: &[u32],
+        out: &mut Vec<Action>,
+    ) {
+        let mut srcs = Vec::with_capacity(into.len());
         let (mut reads, mut copies, mut staged) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, (_, src)) in l.srcs.into_iter().enumerate() {
-            // A block that cannot be loaded ends the prefix: nothing after it is.
-            if i >= n || copies.len() < i {
-                self.unpin(src);
-                continue;
-            }
-            let host_slot = match src {
-                Src::Host(s) => Some(s),
+        for (h, &block) in hashes.into_iter().zip(into) {
+            let host_slot = if let Some(s) = self.host.find_ready(h) {
+                self.host.pin(s);
+                srcs.push(Src::Host(s));
+                Some(s)
+            } else {
                 // From disk through a host slot (the block is not in host memory).
-                Src::Disk(d) => {
-                    let meta = self.disk.as_ref().and_then(|p| p.meta(d)).copied();
-                    let claimed =
-                        meta.and_then(|m| Some((m, self.host.claim(BlockMeta { hits: 0, ..m })?)));
-                    claimed.map(|(m, (hs, evicted))| {
-                        self.evicted(StorageTier::Host, evicted);
-                        reads.push((d, hs, m.checksum));
-                        staged.push((d, hs));
-                        hs
-                    })
-                }
+                let found = self.disk.as_ref().and_then(|p| {
+                    let d = p.find_ready(h)?;
+                    Some((d, *p.meta(d)?))
+                });
+                found.and_then(|(d, meta)| {
+                    let (hs, evicted) = self.host.claim(BlockMeta { hits: 0, ..meta })?;
+                    self.evicted(StorageTier::Host, evicted);
+                    if let Some(p) = self.disk.as_mut() {
+                        p.pin(d);
+                    }
+                    srcs.push(Src::Disk(d));
+                    reads.push((d, hs, meta.checksum));
+                    staged.push((d, hs));
+                    Some(hs)
+                })
             };
-            match host_slot {
-                Some(hs) => {
-                    srcs.push(src);
-                    copies.push((hs, blocks[i]));
-                }
-                None => self.unpin(src),
-            }
+            // A block that cannot be loaded ends the prefix: nothing after it is.
+            let Some(hs) = host_slot else { break };
+            copies.push((hs, block));
         }
         let job = self.next_job;
         if copies.is_empty() || !self.send(Job::Load { id: job, reads, copies }) {
@@ -491,8 +478,8 @@ impl Tiers {
         match d {
             Done::Offload { id, ok, bytes, secs } => {
                 let Some(Pending::Offload(pairs)) = self.pending.remove(&id) else { return };
-                self.stats.offload_bytes += bytes;
-                self.stats.offload_seconds += secs;
+                self.stats.offload_host_bytes += bytes;
+                self.stats.offload_host_seconds += secs;
                 for (b, s) in pairs {
                     out.push(Action::Unpin(b));
                     self.host.filled(s, ok);
@@ -508,8 +495,8 @@ impl Tiers {
             }
             Done::Persist { id, results, bytes, secs } => {
                 let Some(Pending::Persist(slots)) = self.pending.remove(&id) else { return };
-                self.stats.offload_bytes += bytes;
-                self.stats.offload_seconds += secs;
+                self.stats.offload_disk_bytes += bytes;
+                self.stats.offload_disk_seconds += secs;
                 for ((h, d), r) in slots.into_iter().zip(results) {
                     self.host.unpin(h);
                     let Some(disk) = self.disk.as_mut() else { continue };
@@ -540,8 +527,13 @@ impl Tiers {
                 let Some(Pending::Load { id: req, srcs, staged }) = self.pending.remove(&id) else {
                     return;
                 };
-                self.stats.onboard_bytes += bytes;
-                self.stats.onboard_seconds += secs;
+                if staged.is_empty() {
+                    self.stats.onboard_host_bytes += bytes;
+                    self.stats.onboard_host_seconds += secs;
+                } else {
+                    self.stats.onboard_disk_bytes += bytes;
+                    self.stats.onboard_disk_seconds += secs;
+                }
                 self.end_load(req, &srcs, &staged, &reads, copied, out);
             }
         }

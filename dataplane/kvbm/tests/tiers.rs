@@ -137,10 +137,10 @@ fn blocks_go_down_and_come_back_byte_for_byte() {
     let want: Vec<Vec<u8>> = (0..4).map(|b| r.read(b)).collect();
     // A prompt with blocks 0..4 then one unknown: the first pool block is in the pool.
     let hashes: Vec<SequenceHash> = (0..6).map(h).collect();
-    let found = t.lookup(&hashes, 1, 10);
-    assert_eq!(found.len(), 3, "blocks 1..4 from host memory; the unknown one ends the run");
+    let found = t.probe([hashes[0]], hashes[1..].iter().copied());
+    assert_eq!(found, 3, "blocks 1..4 from host memory; the unknown one ends the run");
     let mut out = Vec::new();
-    t.load(RequestId(5), found, &[10, 11, 12], &mut out);
+    t.load(RequestId(5), hashes[1..4].iter().copied(), &[10, 11, 12], &mut out);
     let (actions, _) = settle(&mut t);
     assert_eq!(actions, vec![Action::Loaded { id: RequestId(5), blocks: 3 }]);
     for (i, b) in [10u32, 11, 12].iter().enumerate() {
@@ -148,7 +148,8 @@ fn blocks_go_down_and_come_back_byte_for_byte() {
     }
     let m = t.metrics();
     assert_eq!((m.lookups, m.hits_host, m.onboarded_host), (4, 3, 3));
-    assert!(m.onboard_bytes >= 3 * 2 * BB && m.onboard_seconds > 0.0);
+    assert!(m.onboard_host_bytes >= 3 * 2 * BB && m.onboard_host_seconds > 0.0);
+    assert!(m.offload_host_bytes >= 4 * 2 * BB && m.offload_disk_bytes >= 4 * 2 * BB);
 
     // A restart: host memory is gone, the disk tier comes back and is announced.
     drop(t);
@@ -164,9 +165,8 @@ fn blocks_go_down_and_come_back_byte_for_byte() {
         .collect();
     assert_eq!(disk, vec![1000, 1001, 1002, 1003], "parents first");
     assert_eq!(t.snapshot().len(), 4);
-    let found = t.lookup(&hashes, 0, 10);
-    assert_eq!(found.len(), 4);
-    t.load(RequestId(6), found, &[4, 5, 6, 7], &mut out);
+    assert_eq!(t.probe([], hashes.iter().copied()), 4);
+    t.load(RequestId(6), hashes.iter().copied(), &[4, 5, 6, 7], &mut out);
     let (actions, events) = settle(&mut t);
     assert_eq!(actions, vec![Action::Loaded { id: RequestId(6), blocks: 4 }]);
     for b in 0..4u32 {
@@ -179,7 +179,9 @@ fn blocks_go_down_and_come_back_byte_for_byte() {
             .count(),
         4
     );
-    assert_eq!(t.metrics().onboarded_disk, 4);
+    let m = t.metrics();
+    assert_eq!(m.onboarded_disk, 4);
+    assert!(m.onboard_disk_bytes >= 4 * 2 * BB && m.onboard_host_bytes == 0);
 
     // Another fingerprint (another model or layout) finds nothing.
     drop(t);
@@ -210,10 +212,9 @@ fn a_corrupted_block_on_disk_is_dropped_and_ends_the_loaded_prefix() {
     let mut t = Tiers::start(r.agent.clone(), r.pool, &r.cfg(64 * 8192), 7).expect("tiers");
     t.drain_events(|_| {});
     let hashes: Vec<SequenceHash> = (0..4).map(h).collect();
-    let found = t.lookup(&hashes, 0, 10);
-    assert_eq!(found.len(), 4);
+    assert_eq!(t.probe([], hashes.iter().copied()), 4);
     let mut out = Vec::new();
-    t.load(RequestId(1), found, &[8, 9, 10, 11], &mut out);
+    t.load(RequestId(1), hashes.iter().copied(), &[8, 9, 10, 11], &mut out);
     let (actions, events) = settle(&mut t);
     assert_eq!(
         actions,
@@ -224,9 +225,7 @@ fn a_corrupted_block_on_disk_is_dropped_and_ends_the_loaded_prefix() {
     let m = t.metrics();
     assert_eq!((m.checksum_failures, m.disk_blocks), (1, 3));
     // Asked again, the run stops before the dropped block.
-    let found = t.lookup(&hashes, 0, 10);
-    assert_eq!(found.len(), 2);
-    t.forget(found);
+    assert_eq!(t.probe([], hashes.iter().copied()), 2);
     t.check_invariants().unwrap();
     drop(t);
     std::fs::remove_dir_all(&r.dir).unwrap();
@@ -247,9 +246,10 @@ fn a_full_host_tier_evicts_its_least_recent_block_and_says_so() {
     // Four slots: block 0 went when block 4 came.
     let m = t.metrics();
     assert_eq!((m.host_blocks, m.host_capacity), (4, 4));
-    let found = t.lookup(&[h(0)], 0, 1);
-    assert!(found.is_empty());
-    t.forget(found);
+    assert_eq!(t.probe([], [h(0)]), 0);
+    // A load of a block no tier holds ends at once with nothing.
+    t.load(RequestId(9), [h(0)], &[3], &mut out);
+    assert_eq!(out, vec![Action::Loaded { id: RequestId(9), blocks: 0 }]);
     let snap: Vec<u64> = t.snapshot().iter().map(|(_, _, b)| b.seq_hash.0).collect();
     assert!(!snap.contains(&1000) && snap.len() == 4);
 }

@@ -85,14 +85,22 @@ pub struct TierMetrics {
     pub hits_host: u64,
     /// Of which found on disk only.
     pub hits_disk: u64,
-    /// Bytes copied down (pool → host, host → disk).
-    pub offload_bytes: u64,
-    /// Seconds spent on those copies.
-    pub offload_seconds: f64,
-    /// Bytes loaded up (disk → host, host → pool).
-    pub onboard_bytes: u64,
-    /// Seconds spent on those loads.
-    pub onboard_seconds: f64,
+    /// Bytes copied from the pool to host memory.
+    pub offload_host_bytes: u64,
+    /// Seconds those copies took.
+    pub offload_host_seconds: f64,
+    /// Bytes written from host memory to disk (headers included).
+    pub offload_disk_bytes: u64,
+    /// Seconds those writes took (checksums included).
+    pub offload_disk_seconds: f64,
+    /// Bytes of loads from host memory into the pool.
+    pub onboard_host_bytes: u64,
+    /// Seconds those loads took.
+    pub onboard_host_seconds: f64,
+    /// Bytes of loads that read disk (read into host memory, checked, copied into the pool).
+    pub onboard_disk_bytes: u64,
+    /// Seconds those loads took, end to end.
+    pub onboard_disk_seconds: f64,
     /// Blocks whose bytes failed their checksum (dropped, computed instead).
     pub checksum_failures: u64,
     /// Failed writes to the disk tier.

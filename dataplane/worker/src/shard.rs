@@ -7,9 +7,10 @@
 //! step boundary, which returns its blocks.
 //!
 //! With KV tiers (host memory, disk) the shard also drives its [`Tiers`]: each block the
-//! engine registers is pinned and offered to them (copied down beside the steps), a new
-//! request whose prompt continues below the pool is reserved its blocks and loaded instead
-//! of computed, and the tiers' events join the engine's in one numbered stream.
+//! engine registers is pinned and offered to them (copied down beside the steps), a request
+//! admitted with a prompt that continues below the pool waits while those blocks load
+//! instead of computing them ([`LowerTiers`], the engine's view of the tiers), and the
+//! tiers' events join the engine's in one numbered stream.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
@@ -18,10 +19,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvx_engine::block_pool::BlockEvent;
-use kvx_engine::{Admission, Engine, EngineError, EngineStats};
+use kvx_engine::{Admission, Engine, EngineError, EngineStats, LowerTiers};
 use kvx_proto::{
-    ErrorClass, GenerateRequest, KvDest, KvEvent, KvEventData, KvNote, KvRole, LoadReport, Output,
-    OutputDelta, RequestId, StorageTier, StoredBlock, WorkerId, WorkerMetrics,
+    ErrorClass, GenerateRequest, KvDest, KvEvent, KvEventData, KvNote, KvRole, LoadReport,
+    LocalBlockHash, Output, OutputDelta, RequestId, SequenceHash, StorageTier, StoredBlock,
+    WorkerId, WorkerMetrics,
 };
 
 use crate::kvlink::{KvLink, Pending};
@@ -408,20 +410,13 @@ impl Loop {
             });
             return;
         }
-        let added = match self.tiers.is_some() {
-            true => self.add_from_tiers(&req),
-            false => self.engine.add(&req),
-        };
-        match added {
+        match self.engine.add(&req) {
             Ok(admission) => {
                 let note = match admission {
                     Admission::Queued => None,
-                    // Loading from the tiers: nothing for the plane to do.
-                    Admission::Reserved { .. } if req.kv == KvRole::Local => None,
                     Admission::Reserved { first_block, blocks } => {
                         Some(KvNote::Reserved { first_block, blocks })
                     }
-                    Admission::NotReserved if req.kv == KvRole::Local => None,
                     Admission::NotReserved => Some(KvNote::Local),
                 };
                 if let Some(note) = note {
@@ -436,40 +431,6 @@ impl Loop {
                 let _ = sink.send(Output::Error { class: e.class(), message: e.to_string() });
             }
         }
-    }
-
-    /// Adds a request, loading the part of its prompt's prefix that the tiers hold (after
-    /// what the pool holds) instead of computing it, when the engine has room to reserve it.
-    fn add_from_tiers(&mut self, req: &GenerateRequest) -> Result<Admission, EngineError> {
-        let Some(tiers) = self.tiers.as_mut() else { return self.engine.add(req) };
-        if req.kv != KvRole::Local || !req.resume.is_empty() || req.prompt.len() < 2 {
-            return self.engine.add(req);
-        }
-        let bs = self.engine.config().sched.block_size;
-        let mut hashes = self.engine.prompt_hashes(&req.prompt, req.salt.as_deref());
-        // The last prompt token is always computed (for its logits).
-        hashes.truncate((req.prompt.len() - 1) / bs);
-        let in_pool = self.engine.cached_prefix(&hashes);
-        let found = tiers.lookup(&hashes, in_pool, hashes.len() - in_pool);
-        if found.is_empty() {
-            tiers.forget(found);
-            return self.engine.add(req);
-        }
-        let admission = self.engine.onboard(req, in_pool + found.len());
-        match &admission {
-            Ok(Admission::Reserved { first_block, blocks }) if *first_block == in_pool => {
-                self.loading.insert(req.id, *first_block);
-                tiers.load(req.id, found, blocks, &mut self.actions);
-            }
-            Ok(Admission::Reserved { first_block, .. }) => {
-                // The pool changed under the lookup (it cannot on this thread): compute.
-                tiers.forget(found);
-                self.engine.onboarded(req.id, first_block * bs);
-            }
-            _ => tiers.forget(found),
-        }
-        self.apply_actions();
-        admission
     }
 
     /// Whether the tiers have copies in flight.
@@ -500,7 +461,15 @@ impl Loop {
     }
 
     fn step(&mut self) {
-        let out = match self.engine.step() {
+        let stepped = match self.tiers.as_mut() {
+            Some(tiers) => {
+                let mut hook =
+                    TierHook { tiers, loading: &mut self.loading, actions: &mut self.actions };
+                self.engine.step_with(Some(&mut hook))
+            }
+            None => self.engine.step(),
+        };
+        let out = match stepped {
             Ok(o) => o,
             Err(e) => {
                 tracing::error!(error = %e, "engine step failed; failing its requests");
@@ -573,6 +542,7 @@ impl Loop {
         while let Some(id) = self.prefilled.pop() {
             self.start_transfer(id);
         }
+        self.apply_actions();
         self.publish_events();
     }
 
@@ -677,7 +647,9 @@ impl Loop {
         let Some(t) = tiers.as_mut() else { return };
         // Offered blocks stay as they are until their copy is done.
         for b in offered {
-            engine.pin_block(b);
+            if !engine.pin_block(b) {
+                t.withdraw(b);
+            }
         }
         t.flush(&mut self.actions);
         t.drain_events(|e| match e {
@@ -724,6 +696,36 @@ impl Loop {
             tiers: self.tiers.as_ref().map(Tiers::metrics).unwrap_or_default(),
         };
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = s;
+    }
+}
+
+/// The tiers as the engine's admission sees them: probes find a prompt's blocks below the
+/// pool, loads start at once (they overlap the step's forward pass) and are remembered with
+/// the first block they fill, for [`Action::Loaded`].
+struct TierHook<'a> {
+    tiers: &'a mut Tiers,
+    loading: &'a mut HashMap<RequestId, usize>,
+    actions: &'a mut Vec<Action>,
+}
+
+impl LowerTiers for TierHook<'_> {
+    fn probe(
+        &mut self,
+        in_pool: &[(LocalBlockHash, SequenceHash)],
+        below: &[(LocalBlockHash, SequenceHash)],
+    ) -> usize {
+        self.tiers.probe(in_pool.iter().map(|b| b.1), below.iter().map(|b| b.1))
+    }
+
+    fn load(
+        &mut self,
+        id: RequestId,
+        first: usize,
+        blocks: &[(LocalBlockHash, SequenceHash)],
+        into: &[u32],
+    ) {
+        self.loading.insert(id, first);
+        self.tiers.load(id, blocks.iter().map(|b| b.1), into, self.actions);
     }
 }
 

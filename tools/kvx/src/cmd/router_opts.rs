@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use kvx_planes::DisaggConfig;
-use kvx_router::{RouterConfig, RoutingMode};
+use kvx_router::{RouterConfig, RoutingMode, TierCredits};
 use kvx_worker::kvlink::KvLinkConfig;
 
 /// How the router places requests.
@@ -40,6 +40,13 @@ pub(crate) struct RouterOpts {
     /// Seed of the router's random choices (ties, softmax, random mode).
     #[arg(long, env = "KVX_ROUTER_SEED")]
     pub(crate) router_seed: Option<u64>,
+    /// KV mode: what a prompt block a worker holds in host memory (G2) is worth, as a share
+    /// of one in its pool: 1 − its load time / its compute time.
+    #[arg(long, env = "KVX_ROUTER_HOST_CREDIT", default_value_t = TierCredits::default().host)]
+    pub(crate) router_host_credit: f64,
+    /// KV mode: the same for a block on the worker's disk (G3).
+    #[arg(long, env = "KVX_ROUTER_DISK_CREDIT", default_value_t = TierCredits::default().disk)]
+    pub(crate) router_disk_credit: f64,
 }
 
 impl RouterOpts {
@@ -55,6 +62,11 @@ impl RouterOpts {
             },
             overlap_weight: self.router_overlap_weight,
             temperature: self.router_temperature,
+            tier_credit: TierCredits {
+                host: self.router_host_credit,
+                disk: self.router_disk_credit,
+                ..TierCredits::default()
+            },
             ..RouterConfig::default()
         };
         if let Some(seed) = self.router_seed {
