@@ -20,7 +20,8 @@
 #
 # Usage: bench/scripts/tiers.sh [--only SECTION[,SECTION]] [--runs N] [--out DIR]
 # Environment: KVX (binary, default target/release/kvx), KVX_HOME (model store), DISK_DIR
-# (where disk tiers live; default under --out).
+# (where disk tiers live; default under --out), MODES (multiturn configurations to run,
+# default "none host disk ceiling").
 set -euo pipefail
 
 ONLY=multiturn,identity,restart,rates RUNS=3 OUT=/tmp/kvx-tiers
@@ -69,7 +70,7 @@ if want multiturn; then
   MT=(--api chat --workload multi-turn --sessions 8 --turns 10 --input-tokens 200 --output-tokens 32
       --concurrency 8 --think-time-ms 8000 --tokenizer "$GGUF" --quiet)
   for r in $(seq "$RUNS"); do
-    for mode in none host disk ceiling; do
+    for mode in ${MODES:-none host disk ceiling}; do
       rm -rf "$DISK_DIR"
       case $mode in
         none) serve --kv-cache-bytes 67108864 ;;
@@ -83,10 +84,9 @@ if want multiturn; then
       stop_all
     done
   done
-  python3 - "$OUT" "$RUNS" <<'EOF'
+  python3 - "$OUT" "$RUNS" ${MODES:-none host disk ceiling} <<'EOF'
 import json, statistics, sys
-out, runs = sys.argv[1], int(sys.argv[2])
-modes = ["none", "host", "disk", "ceiling"]
+out, runs, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def get(mode, r):
     run = json.load(open(f"{out}/mt-{mode}-{r}.json"))["runs"][0]
     t = run["tokens"]
@@ -98,6 +98,8 @@ print(f"{'':10s}{'TTFT p50 ms':>13s}{'TTFT p90 ms':>13s}{'cached':>8s}{'errors':
 for m in modes:
     print(f"{m:10s}{med(m, 'p50'):13.0f}{med(m, 'p90'):13.0f}{med(m, 'cached'):8.0%}{med(m, 'errors'):8.0f}")
 for m, bars in [("host", {"p50": 2.0, "p90": 3.0}), ("disk", {"p50": 1.5})]:
+    if m not in modes or "none" not in modes:
+        continue
     for k, bar in bars.items():
         rs = [n[k] / t[k] for n, t in zip(rows["none"], rows[m])]
         print(f"TTFT {k} no tier / {m}: {statistics.median(rs):.2f}x (runs: {', '.join(f'{x:.2f}' for x in rs)}; bar >= {bar}x)")

@@ -19,9 +19,9 @@
 //! [`SeqKind::PrefillOnly`] sequence whose prompt (but its last token) is computed, holding
 //! its blocks until the transfer is done and the engine removes it.
 //!
-//! KV tiers below the pool use the same parking: a request whose prompt prefix lies in host
-//! memory or on disk is [`reserve_prefix`](Scheduler::reserve_prefix)d with blocks for that
-//! prefix, parked while the blocks are loaded, and runs from the end of what arrived
+//! KV tiers below the pool use the same parking: a sequence admitted from the queue whose
+//! next blocks after its prefix match lie in host memory or on disk ([`LowerTiers`]) gets
+//! pool blocks for them, is parked while they load, and runs from the end of what arrived
 //! ([`kv_arrived_upto`](Scheduler::kv_arrived_upto)); loaded tokens count as cached.
 //!
 //! The scheduler knows nothing about models, threads or sockets: the engine calls

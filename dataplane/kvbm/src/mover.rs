@@ -18,7 +18,11 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::disk::{DiskLayout, HEADER_BYTES, Header, align_up};
 
-/// Headers staged for one persist job at most.
+/// Blocks read from or written to disk at once, through the mover's staging memory (and
+/// headers staged at once).
+pub const STAGING_BLOCKS: usize = 32;
+
+/// Blocks of one persist job at most.
 pub const MAX_PERSIST: usize = 256;
 
 /// Where the engine's pool keeps a block's keys and values.
@@ -43,8 +47,11 @@ pub(crate) struct Geometry {
     pub(crate) host: RegionId,
     /// Disk tier file and its slots.
     pub(crate) disk: Option<(RegionId, DiskLayout)>,
-    /// Staging memory for headers ([`MAX_PERSIST`] × 4 KiB).
+    /// Staging memory for headers ([`STAGING_BLOCKS`] × 4 KiB).
     pub(crate) headers: RegionId,
+    /// Staging memory for blocks read from or written to disk ([`STAGING_BLOCKS`]
+    /// host-slot-sized slots, laid out as the host tier's).
+    pub(crate) staging: RegionId,
 }
 
 impl Geometry {
@@ -60,14 +67,22 @@ impl Geometry {
         u64::from(s) * self.host_slot_bytes()
     }
 
-    /// Key and value descriptor pairs between pool block `b` and host slot `s`.
-    fn pool_host(&self, b: u32, s: u32, local: &mut Vec<Desc>, remote: &mut Vec<Desc>) {
+    /// Key and value descriptor pairs between pool block `b` and slot `s` of `slots` (the
+    /// host tier, or the staging memory laid out the same way).
+    fn pool_slot(
+        &self,
+        b: u32,
+        slots: RegionId,
+        s: u32,
+        local: &mut Vec<Desc>,
+        remote: &mut Vec<Desc>,
+    ) {
         let (p, bb) = (&self.pool, self.pool.block_bytes);
         let k = self.host_k(s);
         local.push(Desc::new(p.region, p.k_offset + u64::from(b) * bb, bb));
-        remote.push(Desc::new(self.host, k, bb));
+        remote.push(Desc::new(slots, k, bb));
         local.push(Desc::new(p.region, p.v_offset + u64::from(b) * bb, bb));
-        remote.push(Desc::new(self.host, k + self.pad(), bb));
+        remote.push(Desc::new(slots, k + self.pad(), bb));
     }
 }
 
@@ -76,13 +91,30 @@ impl Geometry {
 pub(crate) enum Job {
     /// Copy pool blocks to host slots: `(block, slot)`.
     Offload { id: u64, pairs: Vec<(u32, u32)> },
-    /// Write host slots to disk slots with their headers (checksums filled in here):
-    /// `(host slot, disk slot, header)`.
-    Persist { id: u64, items: Vec<(u32, u32, Header)> },
-    /// Load a prompt's blocks: first `reads` (disk slot → host slot, expected checksum),
-    /// then `copies` (host slot → pool block) in prefix order, stopping at the first copy
-    /// whose host slot a failed read should have filled.
-    Load { id: u64, reads: Vec<(u32, u32, u64)>, copies: Vec<(u32, u32)> },
+    /// Write blocks to disk slots with their headers (checksums filled in here):
+    /// `(source, disk slot, header)`.
+    Persist { id: u64, items: Vec<(PersistSrc, u32, Header)> },
+    /// Load a prompt's blocks into the pool, in prefix order; the prefix ends at the first
+    /// block whose disk bytes fail their checksum (or cannot be read).
+    Load { id: u64, items: Vec<LoadItem> },
+}
+
+/// Where a block written to disk comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PersistSrc {
+    /// A pool block (pinned by the shard until the job is done).
+    Pool(u32),
+    /// A host slot (pinned until the job is done).
+    Host(u32),
+}
+
+/// One block of a load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LoadItem {
+    /// From host slot `slot` into pool block `into`.
+    Host { slot: u32, into: u32 },
+    /// From disk slot `slot`, whose bytes must have checksum `sum`, into pool block `into`.
+    Disk { slot: u32, sum: u64, into: u32 },
 }
 
 /// A job's outcome.
@@ -92,9 +124,9 @@ pub(crate) enum Done {
     Offload { id: u64, ok: bool, bytes: u64, secs: f64 },
     /// Per item, the checksum written, or why the write failed.
     Persist { id: u64, results: Vec<Result<u64, String>>, bytes: u64, secs: f64 },
-    /// Per read whether its bytes matched their checksum (`None`: not read); the leading
-    /// copies done.
-    Load { id: u64, reads: Vec<Option<bool>>, copied: usize, bytes: u64, secs: f64 },
+    /// Per disk item, in order, whether its bytes matched their checksum (`None`: not
+    /// read); the leading items loaded.
+    Load { id: u64, checked: Vec<Option<bool>>, loaded: usize, bytes: u64, secs: f64 },
 }
 
 /// The mover's side: the agent, a loopback remote to itself, the geometry.
@@ -104,6 +136,8 @@ pub(crate) struct Mover {
     geo: Geometry,
     timeout: Duration,
     buf: Vec<u8>,
+    /// One header page, staged into the header memory.
+    page: Vec<u8>,
 }
 
 impl Mover {
@@ -113,7 +147,14 @@ impl Mover {
         timeout: Duration,
     ) -> kvx_xfer::Result<Self> {
         let me = agent.add_remote(&agent.metadata())?;
-        Ok(Mover { agent, me, geo, timeout, buf: vec![0; 64 << 10] })
+        Ok(Mover {
+            agent,
+            me,
+            geo,
+            timeout,
+            buf: vec![0; 64 << 10],
+            page: vec![0; HEADER_BYTES as usize],
+        })
     }
 
     /// Serves jobs until either channel closes.
@@ -122,7 +163,7 @@ impl Mover {
             let d = match job {
                 Job::Offload { id, pairs } => self.offload(id, &pairs),
                 Job::Persist { id, items } => self.persist(id, items),
-                Job::Load { id, reads, copies } => self.load(id, &reads, &copies),
+                Job::Load { id, items } => self.load(id, &items),
             };
             if done.send(d).is_err() {
                 return;
@@ -150,7 +191,7 @@ impl Mover {
         let (mut l, mut r) =
             (Vec::with_capacity(2 * pairs.len()), Vec::with_capacity(2 * pairs.len()));
         for &(b, s) in pairs {
-            self.geo.pool_host(b, s, &mut l, &mut r);
+            self.geo.pool_slot(b, self.geo.host, s, &mut l, &mut r);
         }
         let res = self.transfer(Op::Write, &l, &r);
         if let Err(e) = &res {
@@ -164,9 +205,9 @@ impl Mover {
         }
     }
 
-    /// xxh3 of a host slot's keys then values (through bounded copies out of the region:
-    /// the crate reads shared memory only through the agent).
-    fn checksum(&mut self, s: u32) -> Result<u64, String> {
+    /// xxh3 of the keys then values of slot `s` of `slots` (through bounded copies out of
+    /// the region: the crate reads shared memory only through the agent).
+    fn checksum(&mut self, slots: RegionId, s: u32) -> Result<u64, String> {
         let bb = self.geo.pool.block_bytes;
         let k = self.geo.host_k(s);
         let mut h = Xxh3::new();
@@ -176,7 +217,7 @@ impl Mover {
                 let n = (bb - off).min(self.buf.len() as u64);
                 let chunk = &mut self.buf[..n as usize];
                 self.agent
-                    .read_local(Desc::new(self.geo.host, base + off, n), chunk)
+                    .read_local(Desc::new(slots, base + off, n), chunk)
                     .map_err(|e| e.to_string())?;
                 h.update(chunk);
                 off += n;
@@ -185,99 +226,152 @@ impl Mover {
         Ok(h.digest())
     }
 
-    fn persist(&mut self, id: u64, items: Vec<(u32, u32, Header)>) -> Done {
+    /// Writes blocks to disk, a chunk of [`STAGING_BLOCKS`] at a time: pool blocks are
+    /// first copied into the staging memory (their pins end sooner, and the disk sees only
+    /// aligned memory), host slots are written from where they are; each block's checksum
+    /// goes into its header, written with it in one transfer.
+    fn persist(&mut self, id: u64, items: Vec<(PersistSrc, u32, Header)>) -> Done {
         let t0 = Instant::now();
-        let fail = |items: &[(u32, u32, Header)], why: String| Done::Persist {
-            id,
-            results: items.iter().map(|_| Err(why.clone())).collect(),
-            bytes: 0,
-            secs: t0.elapsed().as_secs_f64(),
-        };
         let Some((file, layout)) = self.geo.disk else {
-            return fail(&items, "no disk tier".into());
+            let results = items.iter().map(|_| Err("no disk tier".into())).collect();
+            return Done::Persist { id, results, bytes: 0, secs: 0.0 };
         };
-        let mut results = Vec::with_capacity(items.len());
-        let (mut l, mut r) = (Vec::new(), Vec::new());
         let slot_bytes = self.geo.host_slot_bytes();
-        for (i, &(hs, ds, mut header)) in items.iter().take(MAX_PERSIST).enumerate() {
-            let staged = (|| {
-                header.checksum = self.checksum(hs)?;
-                let at = Desc::new(self.geo.headers, i as u64 * HEADER_BYTES, HEADER_BYTES);
-                let mut page = vec![0u8; HEADER_BYTES as usize];
-                page[..crate::disk::HEADER_LEN].copy_from_slice(&header.encode());
-                self.agent.write_local(at, &page).map_err(|e| e.to_string())?;
-                Ok::<_, String>((header.checksum, at))
-            })();
-            match staged {
-                Ok((sum, at)) => {
-                    l.push(at);
-                    r.push(Desc::new(file, layout.header_at(ds), HEADER_BYTES));
-                    l.push(Desc::new(self.geo.host, self.geo.host_k(hs), slot_bytes));
-                    r.push(Desc::new(file, layout.data_at(ds), slot_bytes));
-                    results.push(Ok(sum));
-                }
-                Err(e) => results.push(Err(e)),
-            }
-        }
-        results.extend(items.iter().skip(MAX_PERSIST).map(|_| Err("too many at once".into())));
-        let res = if l.is_empty() { Ok(0) } else { self.transfer(Op::Write, &l, &r) };
-        match res {
-            Ok(bytes) => Done::Persist { id, results, bytes, secs: t0.elapsed().as_secs_f64() },
-            Err(e) => fail(&items, e),
-        }
-    }
-
-    fn load(&mut self, id: u64, reads: &[(u32, u32, u64)], copies: &[(u32, u32)]) -> Done {
-        let t0 = Instant::now();
+        let mut results: Vec<Result<u64, String>> = Vec::with_capacity(items.len());
         let mut bytes = 0;
-        let mut checked = vec![None; reads.len()];
-        if let Some((file, layout)) = self.geo.disk.filter(|_| !reads.is_empty()) {
-            let slot_bytes = self.geo.host_slot_bytes();
-            let (l, r): (Vec<Desc>, Vec<Desc>) = reads
-                .iter()
-                .map(|&(ds, hs, _)| {
-                    (
-                        Desc::new(self.geo.host, self.geo.host_k(hs), slot_bytes),
-                        Desc::new(file, layout.data_at(ds), slot_bytes),
-                    )
-                })
-                .unzip();
-            match self.transfer(Op::Read, &l, &r) {
-                Ok(n) => {
-                    bytes += n;
-                    for (ok, &(_, hs, want)) in checked.iter_mut().zip(reads) {
-                        *ok = self.checksum(hs).ok().map(|got| got == want);
+        for chunk in items.chunks(STAGING_BLOCKS) {
+            let from_pool = (|| {
+                let (mut l, mut r) = (Vec::new(), Vec::new());
+                for (j, (src, _, _)) in chunk.iter().enumerate() {
+                    if let PersistSrc::Pool(b) = *src {
+                        self.geo.pool_slot(b, self.geo.staging, j as u32, &mut l, &mut r);
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "reading KV blocks from disk failed"),
+                if l.is_empty() { Ok(0) } else { self.transfer(Op::Write, &l, &r) }
+            })();
+            if let Err(e) = from_pool {
+                results.extend(chunk.iter().map(|_| Err(e.clone())));
+                continue;
+            }
+            let (mut l, mut r, mut sums) = (Vec::new(), Vec::new(), Vec::new());
+            for (j, &(src, ds, mut header)) in chunk.iter().enumerate() {
+                let (slots, s) = match src {
+                    PersistSrc::Pool(_) => (self.geo.staging, j as u32),
+                    PersistSrc::Host(s) => (self.geo.host, s),
+                };
+                let staged = (|| {
+                    header.checksum = self.checksum(slots, s)?;
+                    let at = Desc::new(self.geo.headers, j as u64 * HEADER_BYTES, HEADER_BYTES);
+                    self.page[..crate::disk::HEADER_LEN].copy_from_slice(&header.encode());
+                    self.agent.write_local(at, &self.page).map_err(|e| e.to_string())?;
+                    Ok::<_, String>((header.checksum, at))
+                })();
+                match staged {
+                    Ok((sum, at)) => {
+                        l.push(at);
+                        r.push(Desc::new(file, layout.header_at(ds), HEADER_BYTES));
+                        l.push(Desc::new(slots, self.geo.host_k(s), slot_bytes));
+                        r.push(Desc::new(file, layout.data_at(ds), slot_bytes));
+                        sums.push(Ok(sum));
+                    }
+                    Err(e) => sums.push(Err(e)),
+                }
+            }
+            match if l.is_empty() { Ok(0) } else { self.transfer(Op::Write, &l, &r) } {
+                Ok(n) => {
+                    bytes += n;
+                    results.extend(sums);
+                }
+                Err(e) => results.extend(chunk.iter().map(|_| Err(e.clone()))),
             }
         }
-        // Copy the prefix whose host slots hold good bytes.
-        let bad: Vec<u32> = reads
+        Done::Persist { id, results, bytes, secs: t0.elapsed().as_secs_f64() }
+    }
+
+    /// Loads `items` in prefix order: disk blocks a chunk at a time through the staging
+    /// memory (read, checksum, copy into the pool), stopping at the first that fails; then
+    /// the host blocks before that point, in one transfer.
+    fn load(&mut self, id: u64, items: &[LoadItem]) -> Done {
+        let t0 = Instant::now();
+        let mut bytes = 0;
+        let disk: Vec<(usize, u32, u64, u32)> = items
             .iter()
-            .zip(&checked)
-            .filter(|(_, ok)| **ok != Some(true))
-            .map(|(&(_, hs, _), _)| hs)
+            .enumerate()
+            .filter_map(|(i, it)| match *it {
+                LoadItem::Disk { slot, sum, into } => Some((i, slot, sum, into)),
+                LoadItem::Host { .. } => None,
+            })
             .collect();
-        let n = copies.iter().position(|(hs, _)| bad.contains(hs)).unwrap_or(copies.len());
-        let (mut l, mut r) = (Vec::with_capacity(2 * n), Vec::with_capacity(2 * n));
-        for &(hs, b) in &copies[..n] {
-            self.geo.pool_host(b, hs, &mut l, &mut r);
-        }
-        let copied = if l.is_empty() {
-            0
-        } else {
-            match self.transfer(Op::Read, &l, &r) {
-                Ok(x) => {
-                    bytes += x;
-                    n
+        let mut checked = vec![None; disk.len()];
+        // Items from the first that did not load on are not loaded.
+        let mut end = items.len();
+        if let Some((file, layout)) = self.geo.disk {
+            let slot_bytes = self.geo.host_slot_bytes();
+            let mut done = 0;
+            'chunks: for chunk in disk.chunks(STAGING_BLOCKS) {
+                let (l, r): (Vec<Desc>, Vec<Desc>) = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &(_, ds, _, _))| {
+                        (
+                            Desc::new(self.geo.staging, self.geo.host_k(j as u32), slot_bytes),
+                            Desc::new(file, layout.data_at(ds), slot_bytes),
+                        )
+                    })
+                    .unzip();
+                match self.transfer(Op::Read, &l, &r) {
+                    Ok(n) => bytes += n,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading KV blocks from disk failed");
+                        end = end.min(chunk[0].0);
+                        break;
+                    }
                 }
+                let (mut l, mut r) = (Vec::new(), Vec::new());
+                for (j, &(i, _, sum, into)) in chunk.iter().enumerate() {
+                    let ok = self.checksum(self.geo.staging, j as u32).ok().map(|got| got == sum);
+                    checked[done + j] = ok;
+                    if ok != Some(true) {
+                        end = end.min(i);
+                        break;
+                    }
+                    self.geo.pool_slot(into, self.geo.staging, j as u32, &mut l, &mut r);
+                }
+                if !l.is_empty() {
+                    match self.transfer(Op::Read, &l, &r) {
+                        Ok(n) => bytes += n,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "loading KV blocks into the pool failed");
+                            end = end.min(chunk[0].0);
+                        }
+                    }
+                }
+                done += chunk.len();
+                if end < items.len() {
+                    break 'chunks;
+                }
+            }
+        } else if let Some(&(i, ..)) = disk.first() {
+            end = i;
+        }
+        let (mut l, mut r) = (Vec::new(), Vec::new());
+        for it in &items[..end] {
+            if let LoadItem::Host { slot, into } = *it {
+                self.geo.pool_slot(into, self.geo.host, slot, &mut l, &mut r);
+            }
+        }
+        if !l.is_empty() {
+            match self.transfer(Op::Read, &l, &r) {
+                Ok(n) => bytes += n,
                 Err(e) => {
                     tracing::warn!(error = %e, "loading KV blocks into the pool failed");
-                    0
+                    // Only the disk blocks before the first host block made it.
+                    let first_host =
+                        items.iter().position(|it| matches!(it, LoadItem::Host { .. }));
+                    end = end.min(first_host.unwrap_or(end));
                 }
             }
-        };
-        Done::Load { id, reads: checked, copied, bytes, secs: t0.elapsed().as_secs_f64() }
+        }
+        Done::Load { id, checked, loaded: end, bytes, secs: t0.elapsed().as_secs_f64() }
     }
 }

@@ -7,15 +7,19 @@
 //!   right away (the shard pins it in the pool until the copy is done); leaving the pool
 //!   later then costs nothing. Blocks already below are not copied again (deduplication by
 //!   sequence hash in every tier).
-//! * **Host → disk** when a block has been reused by at least `min_hits` requests (`0`:
-//!   every block, the default); the block stays in host memory too. A failed write stops
-//!   offload to disk (one warning, a metric); what is on disk stays readable.
+//! * **Disk, write-through too** (`min_hits` 0, the default): every registered block is also
+//!   written to disk, from the pool (through the mover's staging memory), so a small host
+//!   tier never holds back what reaches disk. With `min_hits` > 0 a block goes to disk from
+//!   host memory once it has been reused that many times (Dynamo's filter, to spare SSDs).
+//!   A failed write stops offload to disk (one warning, a metric); what is on disk stays
+//!   readable.
 //! * **LRU** within each tier; a request's reuse of a block (in any tier) makes it recent.
 //! * **Onboarding.** When the engine admits a request, its prompt blocks after those in the
 //!   pool are looked up below ([`Tiers::probe`]); for the leading run found (in host memory,
 //!   else on disk) the engine gives pool blocks and [`Tiers::load`] copies it in (disk blocks
-//!   through a host slot, their checksums checked on the way); the engine runs the request
-//!   from the end of what arrived ([`Action::Loaded`]).
+//!   through the mover's staging memory, their checksums checked on the way); the engine
+//!   runs the request from the end of what arrived ([`Action::Loaded`]). A disk block whose
+//!   bytes fail their checksum is dropped and ends the loaded prefix.
 //!
 //! Every change of what a tier holds is a [`TierEvent`] for the router.
 
@@ -31,7 +35,9 @@ use kvx_xfer::Agent;
 
 use crate::KvbmError;
 use crate::disk::{self, DiskFile, DiskLayout, HEADER_BYTES, Header};
-use crate::mover::{Done, Geometry, Job, MAX_PERSIST, Mover, PoolLayout};
+use crate::mover::{
+    Done, Geometry, Job, LoadItem, MAX_PERSIST, Mover, PersistSrc, PoolLayout, STAGING_BLOCKS,
+};
 use crate::pool::{BlockMeta, SlotPool, SlotState};
 
 /// Jobs queued to the mover at most (more offloads are skipped; loads are computed).
@@ -107,8 +113,8 @@ enum Src {
 #[derive(Debug)]
 enum Pending {
     Offload(Vec<(u32, u32)>),
-    Persist(Vec<(u32, u32)>),
-    Load { id: RequestId, srcs: Vec<Src>, staged: Vec<(u32, u32)> },
+    Persist(Vec<(PersistSrc, u32)>),
+    Load { id: RequestId, srcs: Vec<Src> },
 }
 
 /// A shard's tiers.
@@ -126,7 +132,9 @@ pub struct Tiers {
     next_job: u64,
     pending: HashMap<u64, Pending>,
     offers: Vec<(u32, u32)>,
-    persists: Vec<(u32, u32, Header)>,
+    persists: Vec<(PersistSrc, u32, Header)>,
+    /// Copies in flight (or queued) that read each pinned pool block.
+    pool_uses: HashMap<u32, u32>,
     events: Vec<TierEvent>,
     stats: TierMetrics,
     _disk_file: Option<DiskFile>,
@@ -158,7 +166,9 @@ impl Tiers {
             )));
         }
         let host = agent.alloc_mem(host_slots as u64 * 2 * pad)?;
-        let headers = agent.alloc_mem(MAX_PERSIST as u64 * HEADER_BYTES)?;
+        let headers = agent.alloc_mem(STAGING_BLOCKS as u64 * HEADER_BYTES)?;
+        // Pages are touched as loads from disk use them.
+        let staging = agent.alloc_mem(STAGING_BLOCKS as u64 * 2 * pad)?;
         let mut stamp = 1;
         let mut events = Vec::new();
         let (disk, disk_geo, disk_file) = match &cfg.disk {
@@ -191,7 +201,7 @@ impl Tiers {
                 (Some(slots), Some((region, layout)), Some(file))
             }
         };
-        let geo = Geometry { pool, host, disk: disk_geo, headers };
+        let geo = Geometry { pool, host, disk: disk_geo, headers, staging };
         let mover = Mover::new(agent, geo, cfg.timeout)?;
         let (jobs_tx, jobs_rx) = sync_channel(JOB_QUEUE);
         let (done_tx, done_rx) = sync_channel(JOB_QUEUE + 1);
@@ -213,6 +223,7 @@ impl Tiers {
             pending: HashMap::new(),
             offers: Vec::new(),
             persists: Vec::new(),
+            pool_uses: HashMap::new(),
             events,
             stats: TierMetrics::default(),
             _disk_file: disk_file,
@@ -222,8 +233,9 @@ impl Tiers {
         Ok(t)
     }
 
-    /// The pool registered block `block` as `seq_hash`: it is copied to host memory unless a
-    /// tier has it. True when the shard must pin the block until [`Action::Unpin`].
+    /// The pool registered block `block` as `seq_hash`: it is copied to host memory unless
+    /// that holds it, and written to disk (from the pool) unless that holds it or waits for
+    /// reuses first. True when the shard must pin the block until [`Action::Unpin`].
     pub fn offer(
         &mut self,
         block: u32,
@@ -231,14 +243,22 @@ impl Tiers {
         local_hash: LocalBlockHash,
         parent: Option<SequenceHash>,
     ) -> bool {
-        if self.host.find(seq_hash).is_some() {
-            return false;
-        }
         let meta = BlockMeta { seq_hash, local_hash, parent, checksum: 0, hits: 0 };
-        let Some((slot, evicted)) = self.host.claim(meta) else { return false };
-        self.evicted(StorageTier::Host, evicted);
-        self.offers.push((block, slot));
-        true
+        let mut uses = 0;
+        if self.host.find(seq_hash).is_none()
+            && let Some((slot, evicted)) = self.host.claim(meta)
+        {
+            self.evicted(StorageTier::Host, evicted);
+            self.offers.push((block, slot));
+            uses += 1;
+        }
+        if self.min_hits == 0 && self.queue_persist(PersistSrc::Pool(block), meta) {
+            uses += 1;
+        }
+        if uses > 0 {
+            *self.pool_uses.entry(block).or_insert(0) += uses;
+        }
+        uses > 0
     }
 
     /// Takes back an offer not yet flushed (the shard could not pin the block).
@@ -246,6 +266,24 @@ impl Tiers {
         if let Some(i) = self.offers.iter().position(|&(b, _)| b == block) {
             let (_, slot) = self.offers.swap_remove(i);
             self.host.filled(slot, false);
+        }
+        if let Some(i) = self.persists.iter().position(|p| p.0 == PersistSrc::Pool(block)) {
+            let (_, d, _) = self.persists.swap_remove(i);
+            if let Some(disk) = self.disk.as_mut() {
+                disk.filled(d, false);
+            }
+        }
+        self.pool_uses.remove(&block);
+    }
+
+    /// One copy that read pool block `b` is over: the pin goes with the last one.
+    fn release_pool(&mut self, b: u32, out: &mut Vec<Action>) {
+        if let Some(n) = self.pool_uses.get_mut(&b) {
+            *n -= 1;
+            if *n == 0 {
+                self.pool_uses.remove(&b);
+                out.push(Action::Unpin(b));
+            }
         }
     }
 
@@ -259,20 +297,20 @@ impl Tiers {
             } else {
                 for (b, s) in pairs {
                     self.host.filled(s, false);
-                    out.push(Action::Unpin(b));
+                    self.release_pool(b, out);
                 }
             }
         }
         while !self.persists.is_empty() {
             let n = self.persists.len().min(MAX_PERSIST);
-            let items: Vec<(u32, u32, Header)> = self.persists.drain(..n).collect();
-            let slots: Vec<(u32, u32)> = items.iter().map(|&(h, d, _)| (h, d)).collect();
+            let items: Vec<(PersistSrc, u32, Header)> = self.persists.drain(..n).collect();
+            let slots: Vec<(PersistSrc, u32)> = items.iter().map(|&(s, d, _)| (s, d)).collect();
             let id = self.next_job;
             if self.send(Job::Persist { id, items }) {
                 self.pending.insert(id, Pending::Persist(slots));
             } else {
-                for (h, d) in slots {
-                    self.host.unpin(h);
+                for (src, d) in slots {
+                    self.persisted(src, out);
                     if let Some(disk) = self.disk.as_mut() {
                         disk.filled(d, false);
                     }
@@ -325,40 +363,30 @@ impl Tiers {
         out: &mut Vec<Action>,
     ) {
         let mut srcs = Vec::with_capacity(into.len());
-        let (mut reads, mut copies, mut staged) = (Vec::new(), Vec::new(), Vec::new());
+        let mut items = Vec::with_capacity(into.len());
         for (h, &block) in hashes.into_iter().zip(into) {
-            let host_slot = if let Some(s) = self.host.find_ready(h) {
+            if let Some(s) = self.host.find_ready(h) {
                 self.host.pin(s);
                 srcs.push(Src::Host(s));
-                Some(s)
+                items.push(LoadItem::Host { slot: s, into: block });
+            } else if let Some((d, sum)) = self.disk.as_mut().and_then(|p| {
+                let d = p.find_ready(h)?;
+                p.pin(d);
+                Some((d, p.meta(d)?.checksum))
+            }) {
+                srcs.push(Src::Disk(d));
+                items.push(LoadItem::Disk { slot: d, sum, into: block });
             } else {
-                // From disk through a host slot (the block is not in host memory).
-                let found = self.disk.as_ref().and_then(|p| {
-                    let d = p.find_ready(h)?;
-                    Some((d, *p.meta(d)?))
-                });
-                found.and_then(|(d, meta)| {
-                    let (hs, evicted) = self.host.claim(BlockMeta { hits: 0, ..meta })?;
-                    self.evicted(StorageTier::Host, evicted);
-                    if let Some(p) = self.disk.as_mut() {
-                        p.pin(d);
-                    }
-                    srcs.push(Src::Disk(d));
-                    reads.push((d, hs, meta.checksum));
-                    staged.push((d, hs));
-                    Some(hs)
-                })
-            };
-            // A block that cannot be loaded ends the prefix: nothing after it is.
-            let Some(hs) = host_slot else { break };
-            copies.push((hs, block));
+                // A block no tier holds ends the prefix: nothing after it is loaded.
+                break;
+            }
         }
         let job = self.next_job;
-        if copies.is_empty() || !self.send(Job::Load { id: job, reads, copies }) {
-            self.end_load(id, &srcs, &staged, &[], 0, out);
+        if items.is_empty() || !self.send(Job::Load { id: job, items }) {
+            self.end_load(id, &srcs, &[], 0, out);
             return;
         }
-        self.pending.insert(job, Pending::Load { id, srcs, staged });
+        self.pending.insert(job, Pending::Load { id, srcs });
     }
 
     /// Takes the mover's finished jobs: events, metrics, and what the shard must do.
@@ -443,24 +471,28 @@ impl Tiers {
     /// A reuse of the block in host slot `s`; it goes to disk once reused often enough.
     fn hit_host(&mut self, s: u32) {
         let hits = self.host.touch(s);
-        if hits >= self.min_hits {
-            self.queue_persist(s);
+        if self.min_hits > 0
+            && hits >= self.min_hits
+            && self.host.state(s) == SlotState::Ready
+            && let Some(meta) = self.host.meta(s).copied()
+            && self.queue_persist(PersistSrc::Host(s), meta)
+        {
+            self.host.pin(s);
         }
     }
 
-    /// Writes a ready host block to disk unless it is there (or the disk tier stopped).
-    fn queue_persist(&mut self, s: u32) {
+    /// Queues a write of block `meta` to disk from `src` unless the disk holds it (or its
+    /// offload stopped); true when queued (the caller pins the source).
+    fn queue_persist(&mut self, src: PersistSrc, meta: BlockMeta) -> bool {
         if self.disk_stopped {
-            return;
+            return false;
         }
-        let Some(meta) = self.host.meta(s).copied() else { return };
-        let Some(disk) = self.disk.as_mut() else { return };
-        if self.host.state(s) != SlotState::Ready || disk.find(meta.seq_hash).is_some() {
-            return;
+        let Some(disk) = self.disk.as_mut() else { return false };
+        if disk.find(meta.seq_hash).is_some() {
+            return false;
         }
-        let Some((d, evicted)) = disk.claim(BlockMeta { hits: 0, ..meta }) else { return };
+        let Some((d, evicted)) = disk.claim(BlockMeta { hits: 0, ..meta }) else { return false };
         self.evicted(StorageTier::Disk, evicted);
-        self.host.pin(s);
         let header = Header {
             fingerprint: self.fingerprint,
             seq_hash: meta.seq_hash,
@@ -471,7 +503,16 @@ impl Tiers {
             stamp: self.stamp,
         };
         self.stamp += 1;
-        self.persists.push((s, d, header));
+        self.persists.push((src, d, header));
+        true
+    }
+
+    /// A write to disk from `src` is over: its pin goes.
+    fn persisted(&mut self, src: PersistSrc, out: &mut Vec<Action>) {
+        match src {
+            PersistSrc::Pool(b) => self.release_pool(b, out),
+            PersistSrc::Host(s) => self.host.unpin(s),
+        }
     }
 
     fn finish(&mut self, d: Done, out: &mut Vec<Action>) {
@@ -481,15 +522,11 @@ impl Tiers {
                 self.stats.offload_host_bytes += bytes;
                 self.stats.offload_host_seconds += secs;
                 for (b, s) in pairs {
-                    out.push(Action::Unpin(b));
+                    self.release_pool(b, out);
                     self.host.filled(s, ok);
-                    if !ok {
-                        continue;
-                    }
-                    self.stats.offloaded_host += 1;
-                    self.stored(StorageTier::Host, s);
-                    if self.min_hits == 0 {
-                        self.queue_persist(s);
+                    if ok {
+                        self.stats.offloaded_host += 1;
+                        self.stored(StorageTier::Host, s);
                     }
                 }
             }
@@ -497,8 +534,8 @@ impl Tiers {
                 let Some(Pending::Persist(slots)) = self.pending.remove(&id) else { return };
                 self.stats.offload_disk_bytes += bytes;
                 self.stats.offload_disk_seconds += secs;
-                for ((h, d), r) in slots.into_iter().zip(results) {
-                    self.host.unpin(h);
+                for ((src, d), r) in slots.into_iter().zip(results) {
+                    self.persisted(src, out);
                     let Some(disk) = self.disk.as_mut() else { continue };
                     match r {
                         Ok(sum) => {
@@ -523,67 +560,64 @@ impl Tiers {
                     }
                 }
             }
-            Done::Load { id, reads, copied, bytes, secs } => {
-                let Some(Pending::Load { id: req, srcs, staged }) = self.pending.remove(&id) else {
+            Done::Load { id, checked, loaded, bytes, secs } => {
+                let Some(Pending::Load { id: req, srcs }) = self.pending.remove(&id) else {
                     return;
                 };
-                if staged.is_empty() {
+                if checked.is_empty() {
                     self.stats.onboard_host_bytes += bytes;
                     self.stats.onboard_host_seconds += secs;
                 } else {
                     self.stats.onboard_disk_bytes += bytes;
                     self.stats.onboard_disk_seconds += secs;
                 }
-                self.end_load(req, &srcs, &staged, &reads, copied, out);
+                self.end_load(req, &srcs, &checked, loaded, out);
             }
         }
     }
 
-    /// Ends a load: staged host slots are kept (ready) or freed, disk blocks whose bytes
-    /// failed their checksum are dropped, pins go, and the shard learns how much arrived.
-    /// `reads` says per staged block whether it was read and matched (`None`: not read).
+    /// Ends a load: disk blocks whose bytes failed their checksum are dropped, pins go, and
+    /// the shard learns how much arrived. `checked` says per disk block, in order, whether
+    /// its bytes matched (`None`: not read).
     fn end_load(
         &mut self,
         id: RequestId,
         srcs: &[Src],
-        staged: &[(u32, u32)],
-        reads: &[Option<bool>],
-        copied: usize,
+        checked: &[Option<bool>],
+        loaded: usize,
         out: &mut Vec<Action>,
     ) {
-        let mut dropped = Vec::new();
-        for (&(d, hs), &read) in staged.iter().zip(reads.iter().chain(std::iter::repeat(&None))) {
-            self.host.filled(hs, read == Some(true));
-            match read {
-                Some(true) => self.stored(StorageTier::Host, hs),
-                Some(false) => {
-                    self.stats.checksum_failures += 1;
-                    self.unpin(Src::Disk(d));
-                    dropped.push(d);
-                    if let Some(m) = self.disk.as_mut().and_then(|p| p.drop_slot(d)) {
-                        tracing::warn!(
-                            block = m.seq_hash.0,
-                            "a KV block on disk failed its checksum"
-                        );
-                        self.events.push(TierEvent::Removed {
-                            tier: StorageTier::Disk,
-                            seq_hash: m.seq_hash,
-                        });
-                    }
-                }
-                None => {}
-            }
-        }
+        let mut checks = checked.iter();
         for (i, &src) in srcs.iter().enumerate() {
             match src {
-                Src::Disk(d) if dropped.contains(&d) => continue,
-                Src::Disk(_) if i < copied => self.stats.onboarded_disk += 1,
-                Src::Host(_) if i < copied => self.stats.onboarded_host += 1,
-                _ => {}
+                Src::Host(s) => {
+                    self.host.unpin(s);
+                    if i < loaded {
+                        self.stats.onboarded_host += 1;
+                    }
+                }
+                Src::Disk(d) => {
+                    self.unpin(src);
+                    if i < loaded {
+                        self.stats.onboarded_disk += 1;
+                    }
+                    if checks.next() == Some(&Some(false)) {
+                        self.stats.checksum_failures += 1;
+                        if let Some(m) = self.disk.as_mut().and_then(|p| p.drop_slot(d)) {
+                            tracing::warn!(
+                                block = m.seq_hash.0,
+                                "a KV block on disk failed its checksum: it is computed again"
+                            );
+                            self.events.push(TierEvent::Removed {
+                                tier: StorageTier::Disk,
+                                seq_hash: m.seq_hash,
+                            });
+                        }
+                    }
+                }
             }
-            self.unpin(src);
         }
-        out.push(Action::Loaded { id, blocks: copied });
+        out.push(Action::Loaded { id, blocks: loaded });
     }
 
     fn stored(&mut self, tier: StorageTier, s: u32) {
@@ -618,7 +652,7 @@ impl Tiers {
                     secs: 0.0,
                 },
                 Pending::Load { .. } => {
-                    Done::Load { id, reads: Vec::new(), copied: 0, bytes: 0, secs: 0.0 }
+                    Done::Load { id, checked: Vec::new(), loaded: 0, bytes: 0, secs: 0.0 }
                 }
             };
             self.finish(d, out);
