@@ -240,15 +240,13 @@ impl Mover {
         let mut results: Vec<Result<u64, String>> = Vec::with_capacity(items.len());
         let mut bytes = 0;
         for chunk in items.chunks(STAGING_BLOCKS) {
-            let from_pool = (|| {
-                let (mut l, mut r) = (Vec::new(), Vec::new());
-                for (j, (src, _, _)) in chunk.iter().enumerate() {
-                    if let PersistSrc::Pool(b) = *src {
-                        self.geo.pool_slot(b, self.geo.staging, j as u32, &mut l, &mut r);
-                    }
+            let (mut l, mut r) = (Vec::new(), Vec::new());
+            for (j, (src, _, _)) in chunk.iter().enumerate() {
+                if let PersistSrc::Pool(b) = *src {
+                    self.geo.pool_slot(b, self.geo.staging, j as u32, &mut l, &mut r);
                 }
-                if l.is_empty() { Ok(0) } else { self.transfer(Op::Write, &l, &r) }
-            })();
+            }
+            let from_pool = if l.is_empty() { Ok(0) } else { self.transfer(Op::Write, &l, &r) };
             if let Err(e) = from_pool {
                 results.extend(chunk.iter().map(|_| Err(e.clone())));
                 continue;
