@@ -9,14 +9,16 @@
 #              times: TTFT p50/p90 and the share of prompt tokens cached; ratios no-tier / tier
 #              (medians of the runs).
 #   identity   4 greedy chat sessions of 8 turns, sequentially, on one shard with a 48 MiB G1:
-#              no tier, a 512 MiB host tier, a 2 GiB G1, and a 16 MiB host tier with a disk
-#              tier; answers (text and top-5 log-probabilities) compared with the first one's.
+#              a 512 MiB host tier, a 2 GiB G1 (no tier), a 16 MiB host tier with a disk tier,
+#              and no tier; answers (tokens, and top-5 log-probabilities) compared with the
+#              first one's.
 #   restart    `kvx serve --kv-disk DIR`, a 2,000-token prompt, stop, start, the same prompt:
 #              cached_tokens and TTFT cold / after the restart (median of RUNS restarts).
 #   rates      loads into the pool measured by the server (bytes / seconds of its onboard
 #              counters) from disk (after a restart) and from host memory, against `kvx bench
 #              xfer --backend file --op read` with the block's size on disk (one transfer per
-#              block) and a single-thread memcpy of cold blocks of the same size.
+#              block) and a single-thread memcpy of cold blocks of the same size; and the rate
+#              of the write-through copies to host memory.
 #
 # Usage: bench/scripts/tiers.sh [--only SECTION[,SECTION]] [--runs N] [--out DIR]
 # Environment: KVX (binary, default target/release/kvx), KVX_HOME (model store), DISK_DIR
@@ -113,7 +115,7 @@ if want identity; then
   serve --shards 1 --kv-cache-bytes 50331648 --kv-host-bytes 536870912; B=$ADDR
   serve --shards 1 --kv-cache-bytes 2147483648; C=$ADDR
   serve --shards 1 --kv-cache-bytes 50331648 --kv-host-bytes 16777216 --kv-disk "$DISK_DIR"; D=$ADDR
-  echo "endpoints: 0 = no tier, 1 = host 512 MiB, 2 = G1 2 GiB, 3 = host 16 MiB + disk"
+  echo "endpoints: 0 = host 512 MiB, 1 = G1 2 GiB, 2 = host 16 MiB + disk, 3 = no tier"
   python3 "$HERE/tiers_identity.py" "http://$B" "http://$C" "http://$D" "http://$A" | tee "$OUT/identity.txt" || true
   stop_all
 fi
@@ -143,13 +145,19 @@ if want rates; then
   Q=$(python3 -c 'import json; print(json.dumps([300 + (j * 6151) % 40000 for j in range(2500)]))')
   ask() { curl -s -o /dev/null "http://$ADDR/v1/completions" -H 'Content-Type: application/json' \
     -d "{\"prompt\": $1, \"max_tokens\": 1, \"temperature\": 0}"; }
-  # Disk: write the prompt's blocks, restart, load them (G1 64 MiB: 2,500-token prompts, each
-  # of which pushes the other out of it).
-  serve --shards 1 --kv-cache-bytes 67108864 --kv-disk "$DISK_DIR"; ask "$P"; sleep 1; stop_all
+  # Disk: write the prompt's blocks, restart, load them (a 64 MiB pool: each 2,500-token
+  # prompt pushes the other out of it, and a 64 MiB host tier cannot hold both either).
+  serve --shards 1 --kv-cache-bytes 67108864 --kv-disk "$DISK_DIR"; ask "$P"; ask "$Q"; sleep 1; stop_all
   serve --shards 1 --kv-cache-bytes 67108864 --kv-disk "$DISK_DIR"
   for _ in $(seq 5); do ask "$P"; ask "$Q"; done
   DB=$(metric kvx_worker_kv_onboard_bytes_total 'tier="disk"'); DS=$(metric kvx_worker_kv_onboard_seconds_total 'tier="disk"')
+  stop_all
+  # Host memory: a 1 GiB host tier holds both prompts.
+  serve --shards 1 --kv-cache-bytes 67108864 --kv-host-bytes 1073741824
+  for _ in $(seq 6); do ask "$P"; ask "$Q"; done
   HB=$(metric kvx_worker_kv_onboard_bytes_total 'tier="host"'); HS=$(metric kvx_worker_kv_onboard_seconds_total 'tier="host"')
+  OB=$(metric kvx_worker_kv_offload_bytes_total 'tier="host"'); OS=$(metric kvx_worker_kv_offload_seconds_total 'tier="host"')
+  echo "write-through to host memory: $(python3 -c "print(f'{$OB/1e6:.0f} MB in {$OS*1e3:.0f} ms, {$OB/$OS/1e9:.2f} GB/s')")"
   stop_all
   BLOCK=$(python3 - "$GGUF" <<'EOF'
 # Bytes of one block's keys and values on disk and in host memory (each padded to 4 KiB):

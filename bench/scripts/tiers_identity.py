@@ -2,8 +2,9 @@
 """Greedy multi-turn chat sessions, the same on several OpenAI endpoints: each turn sends the
 whole history (user messages drawn from a fixed word list, the assistant's earlier answers),
 32 tokens per answer with their top-5 log-probabilities. Prints, for each endpoint after the
-first, how many answers are identical (text and log-probabilities) to the first endpoint's,
-and the prompt tokens served from cache on each.
+first, how many answers have the same tokens (text) as the first endpoint's, and how many
+also the same log-probabilities, and the prompt tokens served from cache on each. Exits
+non-zero when any text differs.
 
 Usage: tiers_identity.py URL [URL ...] [--sessions N] [--turns N] [--words N]
 """
@@ -63,12 +64,14 @@ def main():
         if base is None:
             base = answers
         else:
-            same = sum(x == y for x, y in zip(base, answers))
-            ok &= same == len(base)
-            line += f"; {same}/{len(base)} answers identical to endpoint 0's"
-            first = next((k for k, (x, y) in enumerate(zip(base, answers)) if x != y), None)
+            text = sum(x[0] == y[0] for x, y in zip(base, answers))
+            both = sum(x == y for x, y in zip(base, answers))
+            ok &= text == len(base)
+            line += (f"; answers with endpoint 0's tokens: {text}/{len(base)}, "
+                     f"and its log-probabilities too: {both}/{len(base)}")
+            first = next((k for k, (x, y) in enumerate(zip(base, answers)) if x[0] != y[0]), None)
             if first is not None:
-                line += f" (first difference at answer {first}: {base[first][0]!r} vs {answers[first][0]!r})"
+                line += f" (first different text at answer {first}: {base[first][0]!r} vs {answers[first][0]!r})"
         print(line, flush=True)
     sys.exit(0 if ok else 1)
 

@@ -683,10 +683,14 @@ impl Tiers {
 
 impl Drop for Tiers {
     fn drop(&mut self) {
+        // The mover finishes the jobs queued (writes to disk among them) and ends when its
+        // queue closes; its answers are taken meanwhile, so that it never waits to send one.
         self.jobs = None;
         if let Some(t) = self.thread.take() {
-            // The mover ends when its queue closes (after the job it runs, bounded by the
-            // transfer timeout).
+            while !t.is_finished() {
+                while self.done.try_recv().is_ok() {}
+                std::thread::sleep(Duration::from_millis(1));
+            }
             let _ = t.join();
         }
     }

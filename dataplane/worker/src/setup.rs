@@ -528,6 +528,13 @@ impl Prepared {
 
     /// One engine on the calling thread, with its own (unpinned) kernel threads.
     pub fn engine(&self, worker_id: WorkerId) -> Result<Engine, SetupError> {
+        if self.setup.tiers.is_some() {
+            return Err(SetupError::Invalid(
+                "KV tiers (--kv-host-bytes, --kv-disk) run behind shards: `kvx serve` and \
+                 `kvx worker`"
+                    .into(),
+            ));
+        }
         self.make(worker_id, Vec::new(), None)
             .map_err(|source| SetupError::Engine { index: 0, source })
     }
@@ -741,6 +748,25 @@ mod tests {
         }
         let s = EngineSetup::new(EngineKind::Model, None, kvx_kernels::cpu::kernels());
         assert!(matches!(s.prepare(), Err(SetupError::Invalid(_))));
+    }
+
+    #[test]
+    fn kv_tiers_that_cannot_work_are_refused() {
+        let tiers = TierSetup { host_bytes: 1 << 20, disk: None, disk_min_hits: 0 };
+        let mut s = mocker();
+        s.tiers = Some(tiers.clone());
+        assert!(matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("model engines")));
+        let mut s =
+            EngineSetup::new(EngineKind::Model, Some("m.gguf".into()), kvx_kernels::cpu::kernels());
+        s.tiers = Some(TierSetup { host_bytes: 0, ..tiers.clone() });
+        assert!(matches!(s.validate(), Err(SetupError::Invalid(_))));
+        s.tiers = Some(TierSetup { disk: Some(("/tmp".into(), 0)), ..tiers.clone() });
+        assert!(matches!(s.validate(), Err(SetupError::Invalid(_))));
+        s.tiers = Some(tiers);
+        s.limits.prefix_caching = false;
+        assert!(
+            matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("prefix caching"))
+        );
     }
 
     #[test]
