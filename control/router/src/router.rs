@@ -85,9 +85,9 @@ pub struct TierCredits {
 
 impl Default for TierCredits {
     /// A block's credit is what loading it saves: 1 − load time / compute time. Measured on
-    /// the CPU engine (kvbm's metrics, SmolLM2-135M, 2 vCPU): a 16-token block computes in
-    /// ~38 ms and loads from host memory in < 0.1 ms, from disk in ~1 ms — 0.99+ both; the
-    /// defaults keep a margin for faster engines and slower disks.
+    /// the CPU engine (kvbm's metrics, SmolLM2-135M, 2 vCPU, bench/TIERS.md): a 16-token
+    /// block computes in ~38 ms and loads from host memory in ~0.03 ms, from disk in ~0.2 ms
+    /// — 0.99+ both; the defaults keep a margin for faster engines and slower disks.
     fn default() -> Self {
         TierCredits { device: 1.0, host: 0.9, disk: 0.7, remote: 0.0 }
     }
