@@ -1,7 +1,7 @@
 //! The KV tier series of `/metrics`, per worker and tier (`host`, `disk`): blocks held and
 //! their capacity, blocks offloaded and onboarded, lookups and hits below the pool, bytes and
-//! seconds of copies each way, checksum failures, disk write errors and whether offload to
-//! disk stopped. Workers without tiers have none of these series.
+//! seconds of copies each way, offloads skipped, checksum failures, disk write errors and
+//! whether offload to disk stopped. Workers without tiers have none of these series.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -29,6 +29,7 @@ pub(crate) struct TierFamilies {
     offload_seconds: Family<TierLabel, CounterF>,
     onboard_bytes: Family<TierLabel, Counter>,
     onboard_seconds: Family<TierLabel, CounterF>,
+    skipped: Family<WorkerLabel, Counter>,
     checksum_failures: Family<WorkerLabel, Counter>,
     disk_errors: Family<WorkerLabel, Counter>,
     disk_stopped: Family<WorkerLabel, Gauge>,
@@ -47,12 +48,7 @@ impl TierFamilies {
         TierFamilies {
             blocks: fam!("tier_blocks", "KV blocks held per tier", TierLabel, Gauge),
             capacity: fam!("tier_capacity_blocks", "KV blocks a tier holds", TierLabel, Gauge),
-            offloaded: fam!(
-                "offload_blocks",
-                "Blocks copied down into a tier (host: from the pool; disk: from host)",
-                TierLabel,
-                Counter
-            ),
+            offloaded: fam!("offload_blocks", "Blocks copied down into a tier", TierLabel, Counter),
             onboarded: fam!(
                 "onboard_blocks",
                 "Blocks loaded into the pool, by the tier they came from",
@@ -89,6 +85,12 @@ impl TierFamilies {
                 "Time of loads into the pool, by the lowest tier read",
                 TierLabel,
                 CounterF
+            ),
+            skipped: fam!(
+                "offload_skipped",
+                "Registered blocks not copied down because copies lagged too far behind",
+                WorkerLabel,
+                Counter
             ),
             checksum_failures: fam!(
                 "checksum_failures",
@@ -150,6 +152,7 @@ impl TierFamilies {
             store_f(&self.onboard_seconds.get_or_create(&tl), on_s);
         }
         store(&self.lookups.get_or_create(&l), t.lookups);
+        store(&self.skipped.get_or_create(&l), t.offload_skipped);
         store(&self.checksum_failures.get_or_create(&l), t.checksum_failures);
         store(&self.disk_errors.get_or_create(&l), t.disk_errors);
         self.disk_stopped.get_or_create(&l).set(i64::from(t.disk_stopped));

@@ -20,8 +20,8 @@
 //! cached prefix keeps its requests on one worker only while that worker can take them.
 //!
 //! With the default credits (device 1, host 0.9, disk 0.7, remote 0) and weight 1 this is
-//! Dynamo's documented `overlap_score_weight · prefill_blocks + decode_blocks`, with its newer
-//! per-tier credits. Active load is the router's own prediction ([`ActiveSequences`]) or, when
+//! Dynamo's documented `overlap_score_weight · prefill_blocks + decode_blocks`, with per-tier
+//! credits (kvx's defaults, measured: see [`TierCredits`]). Active load is the router's own prediction ([`ActiveSequences`]) or, when
 //! [`RouterConfig::use_load_reports`] is set, the larger of that and the worker's last
 //! [`LoadReport`] (which also sees other routers' traffic and output blocks).
 //!

@@ -372,6 +372,11 @@ impl Engine {
         self.sched.pool_mut().pin(b)
     }
 
+    /// The sequence hash block `b` is registered under, if any.
+    pub fn block_hash(&self, b: u32) -> Option<kvx_proto::SequenceHash> {
+        self.sched.pool().hash_of(b)
+    }
+
     /// Drops a pin taken by [`Engine::pin_block`].
     pub fn unpin_block(&mut self, b: u32) {
         self.sched.pool_mut().unpin(b);

@@ -45,21 +45,21 @@ pub type SeqId = usize;
 /// holds gets pool blocks for them and waits while they are loaded, instead of computing
 /// them.
 pub trait LowerTiers {
-    /// How many of `below` (the sequence's next blocks, in order) the tiers hold, from the
-    /// first; `in_pool` are the blocks before them, which the pool holds (reused now).
-    fn probe(
-        &mut self,
-        in_pool: &[(LocalBlockHash, SequenceHash)],
-        below: &[(LocalBlockHash, SequenceHash)],
-    ) -> usize;
-    /// Starts loading `blocks` (in order) into the pool blocks `into` for request `id`,
-    /// whose block `first` is the first of them. The owner reports the end with
+    /// How many of `below` (a sequence's next blocks after those the pool holds, in order)
+    /// the tiers hold, from the first. Changes nothing: a sequence that waits for room is
+    /// asked again at each step.
+    fn probe(&mut self, below: &[(LocalBlockHash, SequenceHash)]) -> usize;
+    /// Sequence `id` was admitted (once per admission): it reuses `in_pool` from the pool,
+    /// `below` (the blocks after them) were looked up below, and the first `into.len()` of
+    /// `below` load into the pool blocks `into`, whose first is the sequence's block
+    /// `first` (none load when `into` is empty). The owner reports the end of a load with
     /// [`Scheduler::kv_arrived_upto`] (through the engine).
-    fn load(
+    fn admitted(
         &mut self,
         id: RequestId,
+        in_pool: &[(LocalBlockHash, SequenceHash)],
+        below: &[(LocalBlockHash, SequenceHash)],
         first: usize,
-        blocks: &[(LocalBlockHash, SequenceHash)],
         into: &[BlockId],
     );
 }
@@ -141,6 +141,8 @@ pub struct Sequence {
     await_end: usize,
     /// Whether tokens loaded from a lower tier count as cached (at its first admission).
     loaded_count_cached: bool,
+    /// Whether the KV it awaits comes from a lower tier (not from a prefill engine).
+    tier_load: bool,
     /// Times preempted.
     pub preemptions: u32,
     /// Queue state.
@@ -406,9 +408,10 @@ impl Scheduler {
         self.parked.iter().filter(|&&s| self.status(s) == Some(SeqStatus::AwaitingKv)).count()
     }
 
-    /// The blocks of a reserved sequence that its KV goes into: the index of the first one
-    /// in its block table (those before are cached here) and the blocks from there that
-    /// hold the prompt but its last token (empty when the cache had all of them).
+    /// The blocks of a parked sequence that its KV goes into: the index of the first one in
+    /// its block table (those before are cached here) and the blocks from there up to what
+    /// it awaits (for a reservation, the prompt but its last token; empty when the cache had
+    /// all of them).
     pub fn reserved(&self, sid: SeqId) -> Option<(usize, &[BlockId])> {
         let seq = self.seq(sid).filter(|s| s.status == SeqStatus::AwaitingKv)?;
         let bs = self.cfg.block_size;
@@ -418,9 +421,11 @@ impl Scheduler {
     }
 
     /// The KV of a reserved sequence's prompt (all but its last token) is in its blocks: it
-    /// runs from its last prompt token on. False if it was not awaiting KV.
+    /// runs from its last prompt token on. False if it was not awaiting KV from a prefill
+    /// engine.
     pub fn kv_arrived(&mut self, sid: SeqId) -> bool {
-        let end = self.seq(sid).map_or(0, |s| s.await_end);
+        let Some(seq) = self.seq(sid).filter(|s| !s.tier_load) else { return false };
+        let end = seq.await_end;
         self.arrive(sid, end, false)
     }
 
@@ -428,10 +433,10 @@ impl Scheduler {
     /// sent to load from a lower tier arrived (whole blocks; fewer than asked when a load
     /// failed part-way): it runs from there, and at its first admission those tokens count
     /// as cached. The blocks past them stay its own and are computed. False if it was not
-    /// awaiting KV.
+    /// awaiting KV from a lower tier.
     pub fn kv_arrived_upto(&mut self, sid: SeqId, tokens: usize) -> bool {
         let bs = self.cfg.block_size.max(1);
-        let Some(seq) = self.seq(sid) else { return false };
+        let Some(seq) = self.seq(sid).filter(|s| s.tier_load) else { return false };
         let (end, cached) = (tokens.min(seq.await_end) / bs * bs, seq.loaded_count_cached);
         self.arrive(sid, end, cached)
     }
@@ -447,6 +452,7 @@ impl Scheduler {
                 seq.cached_prompt = seq.computed.min(seq.prompt_len);
             }
             seq.status = SeqStatus::Running;
+            seq.tier_load = false;
         }
         self.running.push(sid);
         self.register_full(sid);
@@ -457,9 +463,9 @@ impl Scheduler {
     /// front of the queue. Its blocks past the cached prefix, which a late transfer could
     /// still write, stay out of use until [`release_quarantine`](Self::release_quarantine)
     /// is called with a time at or after `until` (the caller's clock: the scheduler has
-    /// none). False if it was not awaiting KV.
+    /// none). False if it was not awaiting KV from a prefill engine.
     pub fn kv_failed(&mut self, sid: SeqId, until: u64) -> bool {
-        if !self.quarantine_lent(sid, until) {
+        if self.seq(sid).is_none_or(|s| s.tier_load) || !self.quarantine_lent(sid, until) {
             return false;
         }
         self.parked.retain(|&s| s != sid);
@@ -565,6 +571,7 @@ impl Scheduler {
             cached_prompt: 0,
             await_end: 0,
             loaded_count_cached: false,
+            tier_load: false,
             preemptions: 0,
             status: SeqStatus::Waiting,
             kind,
@@ -586,7 +593,7 @@ impl Scheduler {
     pub fn schedule_with(
         &mut self,
         out: &mut SchedulerOutput,
-        mut lower: Option<&mut dyn LowerTiers>,
+        mut lower: Option<&mut (dyn LowerTiers + '_)>,
     ) {
         out.clear();
         self.in_flight.clear();
@@ -672,6 +679,7 @@ impl Scheduler {
                 // A prefill-only prompt the cache holds whole: done at once.
                 self.waiting.remove(at);
                 self.admit(sid);
+                self.tell_admitted(sid, lower.as_deref_mut());
                 self.park_prefilled(sid);
                 continue;
             }
@@ -686,6 +694,7 @@ impl Scheduler {
             }
             self.waiting.remove(at);
             self.admit(sid);
+            self.tell_admitted(sid, lower.as_deref_mut());
             self.running.push(sid);
             self.emit_chunks(sid, end, out);
             self.note_in_flight(sid, end);
@@ -693,23 +702,36 @@ impl Scheduler {
         }
     }
 
+    /// The blocks of a sequence a lower tier could load: after its prefix match (the blocks
+    /// whose KV it holds, before it computes anything), up to the last full block before the
+    /// last token it computes (at least one token is computed, for its logits).
+    fn below(&self, seq: &Sequence) -> std::ops::Range<usize> {
+        let bs = self.cfg.block_size;
+        let max = (seq.target().max(1) - 1).min(seq.tokens.len() - 1) / bs;
+        let k = (seq.computed / bs).min(seq.hashes.len());
+        k..max.min(seq.hashes.len()).max(k)
+    }
+
+    /// Tells `lower` that a sequence admitted to be computed reuses its prefix match.
+    fn tell_admitted(&self, sid: SeqId, lower: Option<&mut (dyn LowerTiers + '_)>) {
+        let (Some(l), Some(seq)) = (lower, self.seq(sid)) else { return };
+        let below = self.below(seq);
+        l.admitted(seq.id, &seq.hashes[..below.start], &seq.hashes[below], 0, &[]);
+    }
+
     /// Loads the blocks after a sequence's prefix match that `lower` holds: `None` when it
     /// holds none (compute as usual), `Some(false)` when the pool has no room for them now
     /// or the step has no room for another sequence, `Some(true)` when the sequence is
     /// parked with blocks for them and their load started.
-    fn onboard(&mut self, sid: SeqId, lower: &mut dyn LowerTiers) -> Option<bool> {
+    fn onboard(&mut self, sid: SeqId, lower: &mut (dyn LowerTiers + '_)) -> Option<bool> {
         if !self.cfg.prefix_caching {
             return None;
         }
         let bs = self.cfg.block_size;
         let seq = self.seqs[sid].as_ref()?;
-        let k = seq.blocks.len();
-        // At least one token is computed, for its logits.
-        let max = (seq.target().max(1) - 1).min(seq.tokens.len() - 1) / bs;
-        if k >= max {
-            return None;
-        }
-        let n = lower.probe(&seq.hashes[..k], &seq.hashes[k..max.min(seq.hashes.len())]);
+        let below = self.below(seq);
+        let k = below.start;
+        let n = lower.probe(&seq.hashes[below.clone()]).min(below.len());
         if n == 0 {
             return None;
         }
@@ -724,7 +746,9 @@ impl Scheduler {
         seq.status = SeqStatus::AwaitingKv;
         seq.await_end = (k + n) * bs;
         seq.loaded_count_cached = first_admission;
-        lower.load(seq.id, k, &seq.hashes[k..k + n], &seq.blocks[k..k + n]);
+        seq.tier_load = true;
+        let (in_pool, below) = (&seq.hashes[..k], &seq.hashes[below]);
+        lower.admitted(seq.id, in_pool, below, k, &seq.blocks[k..k + n]);
         self.parked.push(sid);
         Some(true)
     }
@@ -1101,23 +1125,21 @@ mod tests {
     }
 
     impl LowerTiers for Tier {
-        fn probe(
-            &mut self,
-            in_pool: &[(LocalBlockHash, SequenceHash)],
-            below: &[(LocalBlockHash, SequenceHash)],
-        ) -> usize {
-            self.reused += in_pool.len();
+        fn probe(&mut self, below: &[(LocalBlockHash, SequenceHash)]) -> usize {
             below.iter().take_while(|(_, h)| self.held.contains(h)).count()
         }
-        fn load(
+        fn admitted(
             &mut self,
             id: RequestId,
+            in_pool: &[(LocalBlockHash, SequenceHash)],
+            _below: &[(LocalBlockHash, SequenceHash)],
             first: usize,
-            blocks: &[(LocalBlockHash, SequenceHash)],
             into: &[BlockId],
         ) {
-            assert_eq!(blocks.len(), into.len());
-            self.loads.push((id, first, blocks.len(), into.to_vec()));
+            self.reused += in_pool.len();
+            if !into.is_empty() {
+                self.loads.push((id, first, into.len(), into.to_vec()));
+            }
         }
     }
 
@@ -1154,6 +1176,24 @@ mod tests {
         assert_eq!(out.chunks.iter().map(|c| (c.start, c.len)).collect::<Vec<_>>(), vec![(12, 10)]);
         assert!(!s.kv_arrived_upto(r, 16), "not awaiting any more");
         s.check_invariants().unwrap();
+        // A tier load is not a reservation: a prefill engine's word does not end it.
+        let p2: Vec<u32> = (100..122).collect();
+        let q = s.add(RequestId(5), &p2, 2, 0).unwrap();
+        s.remove(r);
+        let mut tier = Tier { held: hashes(&p2, 4)[..5].to_vec(), ..Tier::default() };
+        s.schedule_with(&mut out, Some(&mut tier));
+        assert_eq!(tier.loads.len(), 1);
+        assert!(!s.kv_arrived(q) && !s.kv_failed(q, 0), "not a reservation");
+        assert!(s.kv_arrived_upto(q, 20));
+        s.check_invariants().unwrap();
+        // A sequence the tier holds nothing of is computed whole; the tier hears of it.
+        let mut s2 = Scheduler::new(cfg(64, 4), 16);
+        let mut tier = Tier::default();
+        s2.add(RequestId(7), &p, 2, 0).unwrap();
+        s2.schedule_with(&mut out, Some(&mut tier));
+        assert_eq!(out.chunks.iter().map(|c| c.len).sum::<usize>(), 22);
+        assert!(tier.loads.is_empty());
+        s2.check_invariants().unwrap();
         // Without room for the blocks to load into, the sequence waits in the queue.
         let mut small = Scheduler::new(cfg(64, 4), 8);
         small.add(RequestId(3), &[9; 22], 2, 0).unwrap();

@@ -1,19 +1,21 @@
 //! The mover: one thread per tier set that moves block bytes through the process's kvx-xfer
-//! agent (a transfer to itself: shared-memory copies between the engine's pool and the host
-//! tier, `O_DIRECT` io_uring reads and writes between the host tier and the disk file) and
-//! checks and writes checksums. It takes jobs from a bounded queue and answers each with one
-//! [`Done`]; the shard never waits for it.
+//! agent (a transfer to itself: shared-memory copies between the engine's pool, the host
+//! tier and a staging area; `O_DIRECT` io_uring reads and writes between the staging area or
+//! the host tier and the disk file) and computes and checks checksums. It takes jobs from a
+//! bounded queue and answers each with one [`Done`]; the shard never waits for it.
 //!
 //! Jobs name slots and blocks only; the mover turns them into descriptor lists (two per
-//! block between the pool and host memory, keys and values; one for a block's data plus one
-//! for its header between host memory and disk) and posts each job as few transfers as the
-//! descriptor limit allows.
+//! block between the pool and a slot, keys and values; one for a block's data plus one for
+//! its header between a slot and the disk) and posts each job as few transfers as the
+//! descriptor limit allows. A transfer that outlives its timeout is cancelled and waited for
+//! once more before its memory is touched again; one that still runs then stops the mover
+//! (the tiers then fail every job and take none).
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::time::{Duration, Instant};
 
-use kvx_xfer::{Agent, Desc, MAX_DESCS, Op, RegionId, RemoteId};
+use kvx_xfer::{Agent, Desc, MAX_DESCS, Op, RegionId, RemoteId, XferError};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::disk::{DiskLayout, HEADER_BYTES, Header, align_up};
@@ -22,8 +24,9 @@ use crate::disk::{DiskLayout, HEADER_BYTES, Header, align_up};
 /// headers staged at once).
 pub const STAGING_BLOCKS: usize = 32;
 
-/// Blocks of one persist job at most.
-pub const MAX_PERSIST: usize = 256;
+/// Blocks of one persist job at most (one staging chunk: the pool blocks it reads are
+/// unpinned when it ends).
+pub const MAX_PERSIST: usize = STAGING_BLOCKS;
 
 /// Where the engine's pool keeps a block's keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +39,8 @@ pub struct PoolLayout {
     pub v_offset: u64,
     /// Bytes of one block's keys (and of its values).
     pub block_bytes: u64,
+    /// Blocks in the pool.
+    pub blocks: u64,
 }
 
 /// Where every tier's bytes are.
@@ -125,8 +130,9 @@ pub(crate) enum Done {
     /// Per item, the checksum written, or why the write failed.
     Persist { id: u64, results: Vec<Result<u64, String>>, bytes: u64, secs: f64 },
     /// Per disk item, in order, whether its bytes matched their checksum (`None`: not
-    /// read); the leading items loaded.
-    Load { id: u64, checked: Vec<Option<bool>>, loaded: usize, bytes: u64, secs: f64 },
+    /// read); the leading items loaded; bytes and seconds of the disk part (reads, checks
+    /// and copies into the pool) and of the host part.
+    Load { id: u64, checked: Vec<Option<bool>>, loaded: usize, disk: (u64, f64), host: (u64, f64) },
 }
 
 /// The mover's side: the agent, a loopback remote to itself, the geometry.
@@ -138,6 +144,8 @@ pub(crate) struct Mover {
     buf: Vec<u8>,
     /// One header page, staged into the header memory.
     page: Vec<u8>,
+    /// A transfer outlived its timeout twice: the mover stops.
+    stuck: bool,
 }
 
 impl Mover {
@@ -154,6 +162,7 @@ impl Mover {
             timeout,
             buf: vec![0; 64 << 10],
             page: vec![0; HEADER_BYTES as usize],
+            stuck: false,
         })
     }
 
@@ -168,17 +177,27 @@ impl Mover {
             if done.send(d).is_err() {
                 return;
             }
+            if self.stuck {
+                tracing::error!("a KV tier transfer did not end: the KV tiers stop");
+                return;
+            }
         }
     }
 
     /// Posts `op` over descriptor pairs, in chunks under the descriptor limit, and waits.
-    fn transfer(&self, op: Op, local: &[Desc], remote: &[Desc]) -> Result<u64, String> {
+    fn transfer(&mut self, op: Op, local: &[Desc], remote: &[Desc]) -> Result<u64, String> {
         let mut bytes = 0;
         for (l, r) in local.chunks(MAX_DESCS - 8).zip(remote.chunks(MAX_DESCS - 8)) {
             let p = self.agent.prep(self.me, l, r, None).map_err(|e| e.to_string())?;
             let h = self.agent.post(op, &p, b"").map_err(|e| e.to_string())?;
             if let Err(e) = h.wait(self.timeout) {
-                h.cancel();
+                if matches!(e, XferError::Timeout) {
+                    // It may still move bytes: its memory is not touched again before it ends.
+                    h.cancel();
+                    if matches!(h.wait(self.timeout), Err(XferError::Timeout)) {
+                        self.stuck = true;
+                    }
+                }
                 return Err(e.to_string());
             }
             bytes += p.bytes();
@@ -352,6 +371,8 @@ impl Mover {
         } else if let Some(&(i, ..)) = disk.first() {
             end = i;
         }
+        let disk_part = (std::mem::take(&mut bytes), t0.elapsed().as_secs_f64());
+        let t1 = Instant::now();
         let (mut l, mut r) = (Vec::new(), Vec::new());
         for it in &items[..end] {
             if let LoadItem::Host { slot, into } = *it {
@@ -370,6 +391,12 @@ impl Mover {
                 }
             }
         }
-        Done::Load { id, checked, loaded: end, bytes, secs: t0.elapsed().as_secs_f64() }
+        Done::Load {
+            id,
+            checked,
+            loaded: end,
+            disk: if disk.is_empty() { (0, 0.0) } else { disk_part },
+            host: (bytes, t1.elapsed().as_secs_f64()),
+        }
     }
 }

@@ -176,13 +176,13 @@ impl SlotPool {
         p
     }
 
-    /// Pins a ready or filling slot (a copy out of it is in flight): it is not evicted.
+    /// Pins a ready slot (a copy out of it is in flight): it is not evicted.
     pub fn pin(&mut self, s: u32) {
         let i = s as usize;
-        if i >= self.capacity() || self.state[i] == SlotState::Free {
+        if i >= self.capacity() || self.state[i] != SlotState::Ready {
             return;
         }
-        if self.pins[i] == 0 && self.state[i] == SlotState::Ready {
+        if self.pins[i] == 0 {
             self.lru_remove(s);
         }
         self.pins[i] += 1;

@@ -43,6 +43,9 @@ use crate::pool::{BlockMeta, SlotPool, SlotState};
 /// Jobs queued to the mover at most (more offloads are skipped; loads are computed).
 const JOB_QUEUE: usize = 64;
 
+/// Pool blocks pinned for copies at most, whatever the pool's size.
+const MIN_PIN_LIMIT: usize = 256;
+
 /// Settings of a shard's tiers.
 #[derive(Debug, Clone)]
 pub struct TierConfig {
@@ -135,6 +138,9 @@ pub struct Tiers {
     persists: Vec<(PersistSrc, u32, Header)>,
     /// Copies in flight (or queued) that read each pinned pool block.
     pool_uses: HashMap<u32, u32>,
+    /// Pool blocks pinned for copies at most (half the pool, or [`MIN_PIN_LIMIT`]: at least
+    /// what a few steps register, so that only copies lagging behind hit it).
+    pin_limit: usize,
     events: Vec<TierEvent>,
     stats: TierMetrics,
     _disk_file: Option<DiskFile>,
@@ -194,8 +200,9 @@ impl Tiers {
                 let blocks: Vec<(u32, BlockMeta)> =
                     found.blocks.iter().map(|(s, h)| (*s, h.meta())).collect();
                 let slots = SlotPool::with_blocks(layout.slots as usize, blocks);
-                for (parent, block) in parents_first(&slots.ready_blocks()) {
-                    events.push(TierEvent::Stored { tier: StorageTier::Disk, parent, block });
+                let ready = slots.ready_blocks().into_iter().map(|(_, m)| (StorageTier::Disk, m));
+                for (tier, parent, block) in parents_first(ready.collect()) {
+                    events.push(TierEvent::Stored { tier, parent, block });
                 }
                 let region = agent.register_file(&file.path, 0, layout.file_bytes())?;
                 (Some(slots), Some((region, layout)), Some(file))
@@ -224,6 +231,7 @@ impl Tiers {
             offers: Vec::new(),
             persists: Vec::new(),
             pool_uses: HashMap::new(),
+            pin_limit: (pool.blocks as usize / 2).max(MIN_PIN_LIMIT),
             events,
             stats: TierMetrics::default(),
             _disk_file: disk_file,
@@ -243,6 +251,11 @@ impl Tiers {
         local_hash: LocalBlockHash,
         parent: Option<SequenceHash>,
     ) -> bool {
+        if self.pool_uses.len() >= self.pin_limit {
+            // Copies lag far behind (a slow disk): the block is not copied down.
+            self.stats.offload_skipped += 1;
+            return false;
+        }
         let meta = BlockMeta { seq_hash, local_hash, parent, checksum: 0, hits: 0 };
         let mut uses = 0;
         if self.host.find(seq_hash).is_none()
@@ -319,21 +332,29 @@ impl Tiers {
         }
     }
 
-    /// A prompt being admitted: `in_pool` are the hashes of its blocks the engine's pool holds
-    /// (reused now: where a tier holds them too they count as hits and become recent),
-    /// `below` those of the blocks after them. Returns how many of `below`, from the first,
-    /// a tier holds. (A request that waits for room in the pool is probed again each step.)
-    pub fn probe(
+    /// How many of `below` (a prompt's blocks after those the engine's pool holds, in
+    /// order) a tier holds, from the first. Changes nothing.
+    pub fn probe(&self, below: impl IntoIterator<Item = SequenceHash>) -> usize {
+        let held = |h| {
+            self.host.find_ready(h).is_some()
+                || self.disk.as_ref().is_some_and(|d| d.find_ready(h).is_some())
+        };
+        below.into_iter().take_while(|&h| held(h)).count()
+    }
+
+    /// A prompt was admitted: `in_pool` are the hashes of its blocks the engine's pool holds
+    /// (reused: where a tier holds them too they count as hits and become recent), `below`
+    /// those of the blocks after them, looked up here (counted). Call once per admission.
+    pub fn admitted(
         &mut self,
         in_pool: impl IntoIterator<Item = SequenceHash>,
         below: impl IntoIterator<Item = SequenceHash>,
-    ) -> usize {
+    ) {
         for h in in_pool {
             if let Some(s) = self.host.find_ready(h) {
                 self.hit_host(s);
             }
         }
-        let mut n = 0;
         for h in below {
             self.stats.lookups += 1;
             if let Some(s) = self.host.find_ready(h) {
@@ -347,14 +368,13 @@ impl Tiers {
             } else {
                 break;
             }
-            n += 1;
         }
-        n
     }
 
     /// Loads the blocks `hashes` (a prompt's, in order, as [`Tiers::probe`] found them) into
-    /// the pool blocks `into` for request `id`; [`Action::Loaded`] tells how many arrived,
-    /// from [`Tiers::poll`] (at once, with 0, when nothing can be loaded).
+    /// the pool blocks `into` for request `id` (after [`Tiers::admitted`] counted them);
+    /// [`Action::Loaded`] tells how many arrived, from [`Tiers::poll`] (at once, with 0,
+    /// when nothing can be loaded).
     pub fn load(
         &mut self,
         id: RequestId,
@@ -418,17 +438,15 @@ impl Tiers {
         }
     }
 
-    /// Every block the tiers hold, `(tier, parent, block)`, parents first within a tier.
+    /// Every block the tiers hold, `(tier, parent, block)`, a parent held in either tier
+    /// before its children.
     pub fn snapshot(&self) -> Vec<(StorageTier, Option<SequenceHash>, StoredBlock)> {
-        let mut out = Vec::new();
-        let tiers =
-            [(StorageTier::Host, Some(&self.host)), (StorageTier::Disk, self.disk.as_ref())];
-        for (tier, pool) in tiers {
-            if let Some(p) = pool {
-                out.extend(parents_first(&p.ready_blocks()).map(|(pa, b)| (tier, pa, b)));
-            }
+        let mut all: Vec<(StorageTier, BlockMeta)> =
+            self.host.ready_blocks().into_iter().map(|(_, m)| (StorageTier::Host, m)).collect();
+        if let Some(d) = &self.disk {
+            all.extend(d.ready_blocks().into_iter().map(|(_, m)| (StorageTier::Disk, m)));
         }
-        out
+        parents_first(all)
     }
 
     /// Counters and sizes.
@@ -534,6 +552,8 @@ impl Tiers {
                 let Some(Pending::Persist(slots)) = self.pending.remove(&id) else { return };
                 self.stats.offload_disk_bytes += bytes;
                 self.stats.offload_disk_seconds += secs;
+                let missing = || Err("no answer from the mover".to_string());
+                let results = results.into_iter().chain(std::iter::repeat_with(missing));
                 for ((src, d), r) in slots.into_iter().zip(results) {
                     self.persisted(src, out);
                     let Some(disk) = self.disk.as_mut() else { continue };
@@ -560,17 +580,14 @@ impl Tiers {
                     }
                 }
             }
-            Done::Load { id, checked, loaded, bytes, secs } => {
+            Done::Load { id, checked, loaded, disk, host } => {
                 let Some(Pending::Load { id: req, srcs }) = self.pending.remove(&id) else {
                     return;
                 };
-                if checked.is_empty() {
-                    self.stats.onboard_host_bytes += bytes;
-                    self.stats.onboard_host_seconds += secs;
-                } else {
-                    self.stats.onboard_disk_bytes += bytes;
-                    self.stats.onboard_disk_seconds += secs;
-                }
+                self.stats.onboard_disk_bytes += disk.0;
+                self.stats.onboard_disk_seconds += disk.1;
+                self.stats.onboard_host_bytes += host.0;
+                self.stats.onboard_host_seconds += host.1;
                 self.end_load(req, &srcs, &checked, loaded, out);
             }
         }
@@ -651,9 +668,13 @@ impl Tiers {
                     bytes: 0,
                     secs: 0.0,
                 },
-                Pending::Load { .. } => {
-                    Done::Load { id, checked: Vec::new(), loaded: 0, bytes: 0, secs: 0.0 }
-                }
+                Pending::Load { .. } => Done::Load {
+                    id,
+                    checked: Vec::new(),
+                    loaded: 0,
+                    disk: (0, 0.0),
+                    host: (0, 0.0),
+                },
             };
             self.finish(d, out);
         }
@@ -664,11 +685,6 @@ impl Tiers {
         self.stats.host_capacity = self.host.capacity() as u64;
         self.stats.disk_blocks = self.disk.as_ref().map_or(0, |d| d.ready() as u64);
         self.stats.disk_capacity = self.disk.as_ref().map_or(0, |d| d.capacity() as u64);
-    }
-
-    /// Bytes a block takes in host memory.
-    pub fn host_block_bytes(&self) -> u64 {
-        2 * disk::align_up(self.block_bytes)
     }
 
     /// Checks the slot tables (tests).
@@ -696,10 +712,11 @@ impl Drop for Tiers {
     }
 }
 
-/// Blocks ordered so that a parent held in the same list comes before its children.
-fn parents_first(
-    blocks: &[(u32, BlockMeta)],
-) -> impl Iterator<Item = (Option<SequenceHash>, StoredBlock)> + use<> {
+/// Blocks (with their tier) ordered so that a parent held in the list comes before its
+/// children: `(tier, parent, block)`.
+fn parents_first<T: Copy>(
+    blocks: Vec<(T, BlockMeta)>,
+) -> Vec<(T, Option<SequenceHash>, StoredBlock)> {
     let by_hash: HashMap<SequenceHash, Option<SequenceHash>> =
         blocks.iter().map(|(_, m)| (m.seq_hash, m.parent)).collect();
     let depth = |mut p: Option<SequenceHash>| {
@@ -715,16 +732,13 @@ fn parents_first(
         }
         d
     };
-    let mut v: Vec<(usize, Option<SequenceHash>, StoredBlock)> = blocks
+    let mut v: Vec<(usize, T, Option<SequenceHash>, StoredBlock)> = blocks
         .iter()
-        .map(|(_, m)| {
-            (
-                depth(m.parent),
-                m.parent,
-                StoredBlock { seq_hash: m.seq_hash, local_hash: m.local_hash },
-            )
+        .map(|&(t, m)| {
+            let block = StoredBlock { seq_hash: m.seq_hash, local_hash: m.local_hash };
+            (depth(m.parent), t, m.parent, block)
         })
         .collect();
-    v.sort_by_key(|(d, _, _)| *d);
-    v.into_iter().map(|(_, p, b)| (p, b))
+    v.sort_by_key(|&(d, ..)| d);
+    v.into_iter().map(|(_, t, p, b)| (t, p, b)).collect()
 }

@@ -73,8 +73,10 @@ pub struct TierMetrics {
     pub disk_capacity: u64,
     /// Blocks copied from the engine's pool to host memory.
     pub offloaded_host: u64,
-    /// Blocks written from host memory to disk.
+    /// Blocks written to disk (from the pool, or from host memory with a reuse filter).
     pub offloaded_disk: u64,
+    /// Registered blocks not copied down because copies lagged too far behind.
+    pub offload_skipped: u64,
     /// Blocks loaded into the engine's pool from host memory.
     pub onboarded_host: u64,
     /// Blocks loaded into the engine's pool from disk.
@@ -89,7 +91,7 @@ pub struct TierMetrics {
     pub offload_host_bytes: u64,
     /// Seconds those copies took.
     pub offload_host_seconds: f64,
-    /// Bytes written from host memory to disk (headers included).
+    /// Bytes written to disk (headers included).
     pub offload_disk_bytes: u64,
     /// Seconds those writes took (checksums included).
     pub offload_disk_seconds: f64,
@@ -97,9 +99,9 @@ pub struct TierMetrics {
     pub onboard_host_bytes: u64,
     /// Seconds those loads took.
     pub onboard_host_seconds: f64,
-    /// Bytes of loads that read disk (read into host memory, checked, copied into the pool).
+    /// Bytes loaded from disk into the pool (read into staging memory, checked, copied).
     pub onboard_disk_bytes: u64,
-    /// Seconds those loads took, end to end.
+    /// Seconds those loads took.
     pub onboard_disk_seconds: f64,
     /// Blocks whose bytes failed their checksum (dropped, computed instead).
     pub checksum_failures: u64,

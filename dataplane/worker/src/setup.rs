@@ -684,6 +684,7 @@ impl Prepared {
             k_offset: layout.k_offset as u64,
             v_offset: layout.v_offset as u64,
             block_bytes: layout.block_bytes as u64,
+            blocks: self.kv_blocks as u64,
         };
         let cfg = TierConfig {
             host_bytes: t.host_bytes,

@@ -282,8 +282,8 @@ struct Loop {
     prefilled: Vec<RequestId>,
     /// The KV tiers below the pool.
     tiers: Option<Tiers>,
-    /// Requests loading their prompt's prefix from the tiers, with the first block loaded.
-    loading: HashMap<RequestId, usize>,
+    /// Requests loading their prompt's prefix from the tiers.
+    loading: HashMap<RequestId, Loading>,
     /// What the tiers asked for (reused).
     actions: Vec<Action>,
 }
@@ -378,7 +378,7 @@ fn run(
             if Instant::now() >= deadline {
                 let ids: Vec<RequestId> = l.sinks.keys().copied().collect();
                 for id in ids {
-                    l.engine.cancel(id);
+                    l.cancel_engine(id);
                 }
             }
             if !l.engine.has_work() && l.sinks.is_empty() && l.pending.is_empty() && !l.tiers_busy()
@@ -452,8 +452,10 @@ impl Loop {
             match a {
                 Action::Unpin(b) => self.engine.unpin_block(b),
                 Action::Loaded { id, blocks } => {
-                    if let Some(first) = self.loading.remove(&id) {
-                        self.engine.onboarded(id, (first + blocks) * bs);
+                    let Some(l) = self.loading.remove(&id) else { continue };
+                    self.engine.onboarded(id, (l.first + blocks) * bs);
+                    if l.cancelled {
+                        self.engine.cancel(id);
                     }
                 }
             }
@@ -474,19 +476,24 @@ impl Loop {
             Err(e) => {
                 tracing::error!(error = %e, "engine step failed; failing its requests");
                 let msg = e.to_string();
-                for (_, sink) in self.sinks.drain() {
-                    let _ = sink
-                        .send(Output::Error { class: ErrorClass::Internal, message: msg.clone() });
-                }
-                let ids: Vec<RequestId> = self
+                let mut ids: Vec<RequestId> = self
                     .engine
                     .scheduler()
                     .running()
                     .iter()
                     .filter_map(|&s| self.engine.scheduler().seq(s).map(|q| q.id))
                     .collect();
+                for (id, sink) in self.sinks.drain() {
+                    let _ = sink
+                        .send(Output::Error { class: ErrorClass::Internal, message: msg.clone() });
+                    ids.push(id);
+                }
+                ids.sort_unstable();
+                ids.dedup();
                 for id in ids {
-                    self.engine.cancel(id);
+                    if !self.pending.iter().any(|(p, _)| *p == id) {
+                        self.cancel_engine(id);
+                    }
                 }
                 return;
             }
@@ -535,7 +542,7 @@ impl Loop {
             self.sinks.remove(&id);
             if !sending {
                 self.dests.remove(&id);
-                self.engine.cancel(id);
+                self.cancel_engine(id);
                 self.notify(ShardEvent::Finished { worker_id: self.worker_id, id });
             }
         }
@@ -559,7 +566,17 @@ impl Loop {
             return;
         }
         self.dests.remove(&id);
-        self.engine.cancel(id);
+        self.cancel_engine(id);
+    }
+
+    /// Cancels a request in the engine, or, while tiers load its blocks, once they are done.
+    fn cancel_engine(&mut self, id: RequestId) {
+        match self.loading.get_mut(&id) {
+            Some(l) => l.cancelled = true,
+            None => {
+                self.engine.cancel(id);
+            }
+        }
     }
 
     /// Starts sending a prefilled request's KV to the blocks its decode worker reserved.
@@ -629,13 +646,13 @@ impl Loop {
             }
         };
         let (engine, tiers) = (&mut self.engine, &mut self.tiers);
-        let mut offered: Vec<u32> = Vec::new();
+        let mut offered: Vec<(u32, SequenceHash)> = Vec::new();
         engine.drain_block_events(|e| match e {
             BlockEvent::Stored { block, seq_hash, local_hash, parent } => {
                 if let Some(t) = tiers.as_mut()
                     && t.offer(block, seq_hash, local_hash, parent)
                 {
-                    offered.push(block);
+                    offered.push((block, seq_hash));
                 }
                 let blocks = vec![StoredBlock { seq_hash, local_hash }];
                 send(StorageTier::Device, KvEventData::Stored { parent, blocks });
@@ -645,9 +662,10 @@ impl Loop {
             }
         });
         let Some(t) = tiers.as_mut() else { return };
-        // Offered blocks stay as they are until their copy is done.
-        for b in offered {
-            if !engine.pin_block(b) {
+        // Offered blocks stay as they are until their copy is done (a block no longer
+        // registered under its hash is not copied).
+        for (b, h) in offered {
+            if engine.block_hash(b) != Some(h) || !engine.pin_block(b) {
                 t.withdraw(b);
             }
         }
@@ -704,28 +722,38 @@ impl Loop {
 /// the first block they fill, for [`Action::Loaded`].
 struct TierHook<'a> {
     tiers: &'a mut Tiers,
-    loading: &'a mut HashMap<RequestId, usize>,
+    loading: &'a mut HashMap<RequestId, Loading>,
     actions: &'a mut Vec<Action>,
 }
 
+/// A request loading its prompt's prefix from the tiers.
+#[derive(Debug, Clone, Copy)]
+struct Loading {
+    /// Its first block being loaded.
+    first: usize,
+    /// It was cancelled meanwhile: it ends once the load does (until then the mover may
+    /// write into its blocks).
+    cancelled: bool,
+}
+
 impl LowerTiers for TierHook<'_> {
-    fn probe(
-        &mut self,
-        in_pool: &[(LocalBlockHash, SequenceHash)],
-        below: &[(LocalBlockHash, SequenceHash)],
-    ) -> usize {
-        self.tiers.probe(in_pool.iter().map(|b| b.1), below.iter().map(|b| b.1))
+    fn probe(&mut self, below: &[(LocalBlockHash, SequenceHash)]) -> usize {
+        self.tiers.probe(below.iter().map(|b| b.1))
     }
 
-    fn load(
+    fn admitted(
         &mut self,
         id: RequestId,
+        in_pool: &[(LocalBlockHash, SequenceHash)],
+        below: &[(LocalBlockHash, SequenceHash)],
         first: usize,
-        blocks: &[(LocalBlockHash, SequenceHash)],
         into: &[u32],
     ) {
-        self.loading.insert(id, first);
-        self.tiers.load(id, blocks.iter().map(|b| b.1), into, self.actions);
+        self.tiers.admitted(in_pool.iter().map(|b| b.1), below.iter().map(|b| b.1));
+        if !into.is_empty() {
+            self.loading.insert(id, Loading { first, cancelled: false });
+            self.tiers.load(id, below.iter().map(|b| b.1), into, self.actions);
+        }
     }
 }
 
