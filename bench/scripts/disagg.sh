@@ -167,7 +167,7 @@ EOF
   ip netns exec kxd3 "$KVX" bench xfer --backend tcp --serve-peer --listen $NET.3:7300 --block-size 184320 \
     --blocks 4096 < <(sleep 60) >"$OUT/xfer-peer.log" 2>&1 & PIDS+=($!)
   sleep 1
-  ip netns exec kxd2 "$KVX" bench xfer --backend tcp --peer $NET.3:7300 --block-size 184320 --blocks 4096 \
+  ip netns exec kxd2 "$KVX" bench xfer --backend tcp --peer "@$OUT/xfer-peer.log" --block-size 184320 --blocks 4096 \
     --batch 188 --inflight 1 --secs 5 --runs 3 --json | tee "$OUT/xfer.json"
   python3 - "$OUT/xfer.json" <<'EOF'
 import json, statistics, sys

@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+pub mod certs;
 pub mod etcd;
 pub mod netns;
 pub mod planes;

@@ -10,7 +10,7 @@ use crate::{kvx_bin, test_model};
 #[derive(Debug)]
 pub struct Served {
     child: std::process::Child,
-    /// `127.0.0.1:PORT`.
+    /// `127.0.0.1:PORT` (served over HTTPS when started with `--tls-cert`).
     pub addr: String,
     /// What the server printed on stdout before the address line.
     pub banner: String,
@@ -43,7 +43,10 @@ impl Served {
         std::thread::spawn(move || {
             let mut banner = String::new();
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(a) = line.strip_prefix("listening on http://") {
+                let addr = line
+                    .strip_prefix("listening on http://")
+                    .or_else(|| line.strip_prefix("listening on https://"));
+                if let Some(a) = addr {
                     let _ = tx.send(Ok((a.trim().to_string(), banner.clone())));
                 } else {
                     banner.push_str(&line);
@@ -73,6 +76,15 @@ impl Served {
             .status()
             .expect("running kill");
         assert!(term.success(), "kill -TERM {} failed", self.pid());
+    }
+
+    /// Sends the server SIGHUP (reload the API keys file and the TLS certificate).
+    pub fn hangup(&self) {
+        let hup = Command::new("kill")
+            .args(["-HUP", &self.pid().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(hup.success(), "kill -HUP {} failed", self.pid());
     }
 
     /// Waits for the process to exit, up to `timeout`; its exit status if it did.

@@ -1,5 +1,6 @@
 //! Errors: [`ApiError`] is what a client sees (an HTTP status and OpenAI's error JSON);
-//! [`IngressError`] is what the server itself can fail with (binding, serving).
+//! [`IngressError`] is what the server itself can fail with (binding, serving, its TLS and API
+//! key files).
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -57,7 +58,10 @@ impl ApiError {
         ApiError {
             param: Some("model"),
             code: Some("model_not_found"),
-            ..Self::new(StatusCode::NOT_FOUND, format!("The model `{name}` does not exist."))
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                format!("The model `{name}` does not exist or you do not have access to it."),
+            )
         }
     }
 
@@ -174,6 +178,24 @@ pub enum IngressError {
     /// Serving failed.
     #[error("serving: {0}")]
     Serve(#[from] std::io::Error),
+    /// The TLS certificate or key cannot be used.
+    #[error("TLS certificate {cert} with key {key}: {why}")]
+    Tls {
+        /// The certificate chain file.
+        cert: std::path::PathBuf,
+        /// The private key file.
+        key: std::path::PathBuf,
+        /// What is wrong (it names the file at fault).
+        why: kvx_trust::TrustError,
+    },
+    /// The API keys file cannot be read or has a bad line.
+    #[error("API keys file {path}: {why}")]
+    KeysFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        why: String,
+    },
 }
 
 #[cfg(test)]
@@ -184,7 +206,10 @@ mod tests {
     fn error_json_has_openai_shape() {
         let e = ApiError::model_not_found("x\"y");
         let v: serde_json::Value = serde_json::from_str(&e.json()).unwrap();
-        assert_eq!(v["error"]["message"], "The model `x\"y` does not exist.");
+        assert_eq!(
+            v["error"]["message"],
+            "The model `x\"y` does not exist or you do not have access to it."
+        );
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["param"], "model");
         assert_eq!(v["error"]["code"], "model_not_found");

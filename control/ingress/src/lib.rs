@@ -2,19 +2,25 @@
 //! tokenization), admission, auth, streaming, metrics, and the only place that renders
 //! errors as HTTP statuses.
 //!
-//! [`Server::bind`] takes a plain [`IngressConfig`], the served [`ModelInfo`] and a
-//! [`Dispatcher`] (the serving side); [`Server::run`] serves until a shutdown future fires.
+//! [`Server::bind`] takes an [`IngressConfig`] (with the API keys and the TLS certificate
+//! already read), the served [`ModelInfo`] and a [`Dispatcher`] (the serving side);
+//! [`Server::run`] serves until a shutdown future fires, and [`ServerHandle::reload`] re-reads
+//! the keys file and the certificate meanwhile.
 
 #![forbid(unsafe_code)]
 
 pub mod dispatch;
 pub mod error;
+pub mod keys;
 pub mod metrics;
 pub mod openai;
 pub mod render;
 pub mod server;
 mod tier_metrics;
+pub mod tls;
 
 pub use dispatch::{DispatchError, Dispatcher, ModelInfo, WorkerState};
 pub use error::{ApiError, IngressError};
-pub use server::{IngressConfig, Server, ShutdownReport};
+pub use keys::{ApiKeys, Grant};
+pub use server::{IngressConfig, Reloaded, Server, ServerHandle, ShutdownReport};
+pub use tls::Tls;

@@ -1,6 +1,6 @@
 //! The HTTP server: routes, authentication, body limits, admission, the request path from a
 //! JSON body to engine requests and back (whole responses or SSE streams), cancellation when a
-//! client goes away, and graceful shutdown.
+//! client goes away, graceful shutdown, and the handle that reloads keys and certificate.
 
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -30,17 +30,21 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::dispatch::{Dispatcher, ModelInfo};
 use crate::error::{ApiError, IngressError};
+use crate::keys::{ApiKeys, Grant};
 use crate::metrics::Metrics;
 use crate::openai::{ChatRequest, CompletionRequest, Params, parse};
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
+use crate::tls::{Tls, TlsListener};
 
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct IngressConfig {
     /// Where to listen (port 0 = any free port; see [`Server::local_addr`]).
     pub addr: SocketAddr,
-    /// Accepted API keys (`Authorization: Bearer KEY`); empty = no authentication.
-    pub api_keys: Vec<String>,
+    /// Accepted API keys (`Authorization: Bearer KEY`); none = no authentication.
+    pub keys: ApiKeys,
+    /// Serve HTTPS with this certificate (plain HTTP without).
+    pub tls: Option<Tls>,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
     /// On shutdown, how long running requests may take to finish before they are cancelled.
@@ -53,7 +57,8 @@ impl Default for IngressConfig {
     fn default() -> Self {
         IngressConfig {
             addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
-            api_keys: Vec::new(),
+            keys: ApiKeys::none(),
+            tls: None,
             max_body_bytes: 8 << 20,
             shutdown_grace: Duration::from_secs(30),
             max_inflight: 4096,
@@ -147,6 +152,16 @@ impl Server {
         Ok(self.listener.local_addr()?)
     }
 
+    /// `https` with TLS, else `http`.
+    pub fn scheme(&self) -> &'static str {
+        if self.shared.cfg.tls.is_some() { "https" } else { "http" }
+    }
+
+    /// A handle that reloads the API keys file and the certificate while the server runs.
+    pub fn handle(&self) -> ServerHandle {
+        ServerHandle { keys: self.shared.cfg.keys.clone(), tls: self.shared.cfg.tls.clone() }
+    }
+
     /// Serves until `shutdown` completes; then stops accepting, lets running requests finish
     /// for the configured grace period, cancels what is left and returns.
     pub async fn run(
@@ -155,9 +170,6 @@ impl Server {
     ) -> Result<ShutdownReport, IngressError> {
         let shared = self.shared.clone();
         let app = router(shared.clone());
-        let listener = self.listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
         let (sig_tx, sig_rx) = tokio::sync::oneshot::channel::<()>();
         let sh = shared.clone();
         let graceful = async move {
@@ -165,8 +177,22 @@ impl Server {
             sh.draining.store(true, Ordering::SeqCst);
             let _ = sig_tx.send(());
         };
-        let mut serve =
-            tokio::spawn(axum::serve(listener, app).with_graceful_shutdown(graceful).into_future());
+        let mut serve = match shared.cfg.tls.clone() {
+            None => {
+                let listener = self.listener.tap_io(|tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
+                tokio::spawn(
+                    axum::serve(listener, app).with_graceful_shutdown(graceful).into_future(),
+                )
+            }
+            Some(tls) => {
+                let listener = TlsListener::new(self.listener, tls);
+                tokio::spawn(
+                    axum::serve(listener, app).with_graceful_shutdown(graceful).into_future(),
+                )
+            }
+        };
         tokio::select! {
             r = &mut serve => {
                 return match r {
@@ -196,6 +222,43 @@ impl Server {
             serve.abort();
         }
         Ok(ShutdownReport { running_at_signal, cancelled })
+    }
+}
+
+/// Reloads what a running server reads from files (see [`Server::handle`]); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ServerHandle {
+    keys: ApiKeys,
+    tls: Option<Tls>,
+}
+
+/// What [`ServerHandle::reload`] did. Each part is applied on its own; a part that failed
+/// keeps what was in force.
+#[derive(Debug)]
+pub struct Reloaded {
+    /// The keys file's key count now in force, or why the old keys stay; `None` without a
+    /// keys file.
+    pub keys: Option<Result<usize, IngressError>>,
+    /// Whether the certificate was replaced, or why the old one stays; `None` without TLS.
+    pub tls: Option<Result<(), IngressError>>,
+}
+
+impl ServerHandle {
+    /// Re-reads the API keys file (a revoked key is refused from now on, requests already
+    /// admitted run on) and the certificate (new connections get it). Reads files: call it
+    /// where blocking is fine.
+    pub fn reload(&self) -> Reloaded {
+        Reloaded { keys: self.keys.reload().transpose(), tls: self.tls.as_ref().map(Tls::reload) }
+    }
+
+    /// The keys file, if there is one.
+    pub fn keys_file(&self) -> Option<&std::path::Path> {
+        self.keys.file()
+    }
+
+    /// The certificate file, with TLS.
+    pub fn cert_file(&self) -> Option<&std::path::Path> {
+        self.tls.as_ref().map(Tls::cert_path)
     }
 }
 
@@ -267,10 +330,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
+    match authorize(&s, &headers) {
+        Err(e) => e.into_response(),
+        Ok(g) if g.allows(&s.model.name) => json_response(StatusCode::OK, s.models_json.clone()),
+        Ok(_) => json_response(StatusCode::OK, "{\"object\":\"list\",\"data\":[]}"),
     }
-    json_response(StatusCode::OK, s.models_json.clone())
 }
 
 async fn model(
@@ -278,11 +342,12 @@ async fn model(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
-    }
-    if id != s.model.name {
-        return ApiError::model_not_found(&id).into_response();
+    match authorize(&s, &headers) {
+        Err(e) => return e.into_response(),
+        Ok(g) if id != s.model.name || !g.allows(&id) => {
+            return ApiError::model_not_found(&id).into_response();
+        }
+        Ok(_) => {}
     }
     json_response(StatusCode::OK, serde_json::to_vec(&s.model_card()).unwrap_or_default())
 }
@@ -295,14 +360,10 @@ async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bod
     generate(s, Api::Completions, headers, body).await
 }
 
-/// Compares without an early exit on the first differing byte.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
-    if s.cfg.api_keys.is_empty() {
-        return Ok(());
+/// What the request's key may use (everything without keys).
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<Grant, ApiError> {
+    if !s.cfg.keys.required() {
+        return Ok(Grant::All);
     }
     let Some(v) = headers.get(header::AUTHORIZATION) else {
         return Err(ApiError::unauthorized(
@@ -311,11 +372,7 @@ fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     };
     let v = v.as_bytes();
     let key = if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") { &v[7..] } else { v };
-    let mut ok = false;
-    for k in &s.cfg.api_keys {
-        ok |= same(k.as_bytes(), key);
-    }
-    if ok { Ok(()) } else { Err(ApiError::unauthorized("incorrect API key")) }
+    s.cfg.keys.check(key).ok_or_else(|| ApiError::unauthorized("incorrect API key"))
 }
 
 async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
@@ -343,13 +400,13 @@ struct Prepared {
     include_usage: bool,
 }
 
-fn prepare(s: &Shared, api: Api, body: &[u8]) -> Result<Prepared, ApiError> {
+fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared, ApiError> {
     let tok = &s.model.tokenizer;
     let (common, prompts) = match api {
         Api::Chat => {
             let r: ChatRequest = parse(body)?;
             let c = r.common()?;
-            check_model(s, c.model.as_deref())?;
+            check_model(s, c.model.as_deref(), grant)?;
             let text = r.render(tok)?;
             let ids = tok
                 .encode_prompt(&text)
@@ -359,7 +416,7 @@ fn prepare(s: &Shared, api: Api, body: &[u8]) -> Result<Prepared, ApiError> {
         Api::Completions => {
             let r: CompletionRequest = parse(body)?;
             let c = r.common()?;
-            check_model(s, c.model.as_deref())?;
+            check_model(s, c.model.as_deref(), grant)?;
             (c, r.prompts(tok)?)
         }
     };
@@ -367,9 +424,13 @@ fn prepare(s: &Shared, api: Api, body: &[u8]) -> Result<Prepared, ApiError> {
     Ok(Prepared { params, prompts, stream: common.stream, include_usage: common.include_usage })
 }
 
-fn check_model(s: &Shared, model: Option<&str>) -> Result<(), ApiError> {
+/// The request's model must be the served one (no `model` means it), and the key may use it.
+fn check_model(s: &Shared, model: Option<&str>, grant: &Grant) -> Result<(), ApiError> {
     match model {
         Some(m) if m != s.model.name => Err(ApiError::model_not_found(m)),
+        _ if !grant.allows(&s.model.name) => {
+            Err(ApiError::model_not_found(model.unwrap_or(&s.model.name)))
+        }
         _ => Ok(()),
     }
 }
@@ -455,15 +516,15 @@ async fn start(
     body: Body,
     arrival: Instant,
 ) -> Result<Response, ApiError> {
-    authorize(s, headers)?;
+    let grant = authorize(s, headers)?;
     let body = read_body(s, headers, body).await?;
     let prep = if body.len() >= BLOCKING_PREPROCESS_BYTES {
         let sh = s.clone();
-        tokio::task::spawn_blocking(move || prepare(&sh, api, &body))
+        tokio::task::spawn_blocking(move || prepare(&sh, api, &body, &grant))
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing: {e}")))??
     } else {
-        prepare(s, api, &body)?
+        prepare(s, api, &body, &grant)?
     };
     let mut guard = Guard::admit(s)?;
     if !s.dispatcher.ready() {

@@ -31,9 +31,9 @@ use kvx_proto::plane::{
 };
 use kvx_proto::wire::{self, WireError};
 use kvx_proto::{ErrorClass, KvEvent, KvNote, Output, RequestId, WorkerId, WorkerMetrics};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use kvx_trust::{ClusterAuth, HandshakeError, PlaneStream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf};
 use tokio::net::TcpStream;
-use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::{mpsc, watch};
 
 use crate::kvlink::KvLink;
@@ -50,12 +50,22 @@ pub enum Link {
     Listen(tokio::net::TcpListener),
 }
 
+/// Why a connection to the frontend did not open.
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    #[error("cannot reach the frontend: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the cluster handshake failed: {0}")]
+    Handshake(#[from] HandshakeError),
+}
+
 impl Link {
-    async fn open(&self) -> std::io::Result<TcpStream> {
-        match self {
-            Link::Connect(addr) => TcpStream::connect(addr).await,
-            Link::Listen(l) => l.accept().await.map(|(s, _)| s),
-        }
+    /// The next connection, once its peer proved membership of the cluster.
+    async fn open(&self, auth: &ClusterAuth) -> Result<PlaneStream, OpenError> {
+        Ok(match self {
+            Link::Connect(addr) => auth.connect(TcpStream::connect(addr).await?, addr).await?,
+            Link::Listen(l) => auth.accept(l.accept().await?.0).await?,
+        })
     }
 
     fn describe(&self) -> String {
@@ -94,6 +104,8 @@ pub struct RemoteConfig {
     /// Give token deltas without text a synthetic text (` t<id>` per token): for
     /// tokenizer-free mock engines, whose clients still want to see something arrive.
     pub synthetic_text: bool,
+    /// How frontend connections prove their membership of the cluster (both directions).
+    pub auth: ClusterAuth,
 }
 
 impl Default for RemoteConfig {
@@ -110,6 +122,7 @@ impl Default for RemoteConfig {
             output_queue: 4096,
             event_queue: 1 << 16,
             synthetic_text: false,
+            auth: ClusterAuth::Open,
         }
     }
 }
@@ -206,7 +219,12 @@ enum End {
     Shutdown,
     ShardsStopped,
     Lost(String),
-    Rejected { worker: WorkerId, reason: String },
+    /// A connection whose peer did not prove its membership of the cluster.
+    Refused(String),
+    Rejected {
+        worker: WorkerId,
+        reason: String,
+    },
 }
 
 /// Serves the `started` shards to the frontends met through `link` until `phase` says
@@ -317,7 +335,7 @@ async fn dial(
     loop {
         let conn = tokio::select! {
             _ = should_end(ctx, &mut end) => return Ok(()),
-            c = link.open() => c,
+            c = link.open(&cfg.auth) => c,
         };
         match conn {
             Ok(stream) => {
@@ -333,14 +351,14 @@ async fn dial(
                     End::Rejected { worker, reason } => {
                         return Err(RemoteError::Rejected { worker, reason });
                     }
-                    End::Lost(why) => {
+                    End::Lost(why) | End::Refused(why) => {
                         tracing::warn!(frontend = %link.describe(), reason = %why, "connection lost");
                     }
                 }
             }
             Err(e) => {
                 if !warned {
-                    tracing::warn!(frontend = %link.describe(), error = %e, "cannot reach the frontend; retrying");
+                    tracing::warn!(frontend = %link.describe(), error = %e, "no connection to the frontend; retrying");
                     warned = true;
                 }
             }
@@ -371,9 +389,13 @@ async fn listen(
             _ = should_end(ctx, &mut end) => break,
             a = l.accept() => match a {
                 Ok((stream, peer)) => {
-                    tracing::info!(frontend = %peer, workers = ctx.shards.len(), "frontend connected");
                     let (ctx, stop) = (ctx.clone(), stop_rx.clone());
                     sessions.spawn(async move {
+                        let stream = match ctx.cfg.auth.accept(stream).await {
+                            Ok(s) => s,
+                            Err(e) => return (peer, End::Refused(e.to_string())),
+                        };
+                        tracing::info!(frontend = %peer, workers = ctx.shards.len(), "frontend connected");
                         let end = session(ctx, stream, stop).await;
                         (peer, end)
                     });
@@ -385,6 +407,7 @@ async fn listen(
             },
             Some(done) = sessions.join_next() => match done {
                 Ok((peer, End::Lost(why))) => tracing::warn!(frontend = %peer, reason = %why, "connection lost"),
+                Ok((peer, End::Refused(why))) => tracing::warn!(peer = %peer, reason = %why, "refused a connection"),
                 Ok((peer, End::Rejected { worker, reason })) => {
                     tracing::warn!(frontend = %peer, worker, %reason, "a frontend refused this worker");
                 }
@@ -425,7 +448,7 @@ const WRITE_BATCH: usize = 256 << 10;
 /// KV events per frame at most.
 const KV_BATCH: usize = 512;
 
-async fn session(ctx: Arc<Ctx>, stream: TcpStream, mut stop: watch::Receiver<bool>) -> End {
+async fn session(ctx: Arc<Ctx>, stream: PlaneStream, mut stop: watch::Receiver<bool>) -> End {
     let (sub, mut ev_rx) = ctx.subscribe();
     let end = session_loop(&ctx, stream, &mut ev_rx, &mut stop).await;
     ctx.unsubscribe(sub);
@@ -434,13 +457,12 @@ async fn session(ctx: Arc<Ctx>, stream: TcpStream, mut stop: watch::Receiver<boo
 
 async fn session_loop(
     ctx: &Arc<Ctx>,
-    stream: TcpStream,
+    stream: PlaneStream,
     ev_rx: &mut mpsc::Receiver<ShardEvent>,
     stop: &mut watch::Receiver<bool>,
 ) -> End {
     let cfg = &ctx.cfg;
-    let _ = stream.set_nodelay(true);
-    let (rd, mut wr) = stream.into_split();
+    let (rd, mut wr) = tokio::io::split(stream);
     let (up_tx, mut up_rx) = mpsc::channel::<Up>(cfg.output_queue.max(1));
     let epoch = Instant::now();
     let last_rx = Arc::new(AtomicU64::new(0));
@@ -468,7 +490,12 @@ async fn session_loop(
     let mut hb_seq = 0u64;
     let end = loop {
         if !buf.is_empty() {
-            if let Err(e) = wr.write_all(&buf).await {
+            if let Err(e) = async {
+                wr.write_all(&buf).await?;
+                wr.flush().await
+            }
+            .await
+            {
                 break End::Lost(format!("writing: {e}"));
             }
             buf.clear();
@@ -569,7 +596,7 @@ fn loads(ctx: &Ctx, sent: &mut [Option<(WorkerMetrics, Instant)>], buf: &mut Vec
 
 async fn read_loop(
     ctx: Arc<Ctx>,
-    mut rd: OwnedReadHalf,
+    mut rd: ReadHalf<PlaneStream>,
     up: mpsc::Sender<Up>,
     last_rx: Arc<AtomicU64>,
     epoch: Instant,

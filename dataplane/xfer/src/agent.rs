@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::auth::{self, Key};
 use crate::desc::{Desc, Op, pair_lengths};
 use crate::error::{Result, XferError};
 use crate::meta::{AgentMetadata, RegionInfo, host_id};
@@ -191,6 +192,8 @@ pub(crate) struct Shared {
     pub(crate) name: Arc<str>,
     pub(crate) instance: u64,
     pub(crate) host: u64,
+    /// The secret peers prove they hold (published in the metadata).
+    pub(crate) key: Key,
     pub(crate) regions: AppendTable<Region>,
     pub(crate) remotes: AppendTable<Remote>,
     pub(crate) slots: SlotTable,
@@ -247,6 +250,7 @@ impl Shared {
                 .iter()
                 .map(|r| RegionInfo { id: r.id, kind: r.kind(), len: r.len })
                 .collect(),
+            key: self.key.0,
         }
     }
 }
@@ -412,6 +416,7 @@ impl Agent {
             name: Arc::from(cfg.name.as_str()),
             instance,
             host: host_id(),
+            key: Key(auth::random()?),
             regions: AppendTable::new(MAX_REGIONS),
             remotes: AppendTable::new(MAX_REMOTES),
             slots: SlotTable::new(cfg.max_inflight),
@@ -455,7 +460,10 @@ impl Agent {
         &self.shared.name
     }
 
-    /// Metadata to publish through discovery (regions registered so far and endpoints).
+    /// Metadata to publish (regions registered so far, endpoints and this agent's key).
+    ///
+    /// It carries the key: whoever holds it can read and write every registered region, so
+    /// hand it only to peers over an authenticated channel.
     pub fn metadata(&self) -> AgentMetadata {
         self.shared.metadata()
     }
@@ -542,10 +550,22 @@ impl Agent {
     }
 
     /// Learn a remote agent from its metadata. On the same host this connects the same-host
-    /// channel and maps the remote's memory regions once. Passing this agent's own metadata
-    /// gives a loopback remote (local file tier, local copies).
+    /// channel (authenticating with the key in `md`) and maps the remote's memory regions
+    /// once. Passing this agent's own metadata gives a loopback remote (local file tier, local
+    /// copies).
+    ///
+    /// Fails with [`XferError::Auth`] when `md` carries no key, or when the same-host peer
+    /// does not prove it holds that key; a TCP remote is authenticated when the first
+    /// transfer to it connects ([`prep`](Self::prep) returns the error).
     pub fn add_remote(&self, md: &AgentMetadata) -> Result<RemoteId> {
         let is_self = md.instance == self.shared.instance;
+        if !is_self && !md.has_key() {
+            return Err(XferError::Auth {
+                peer: md.name.clone(),
+                reason: "its metadata carries no key (metadata fetched over TCP cannot be \
+                         used to connect)",
+            });
+        }
         let local = if is_self || md.host != self.shared.host || !self.shared.cfg.same_host {
             None
         } else if let Some(unix) = &md.unix {
@@ -553,7 +573,9 @@ impl Agent {
                 self.uring_call(0, |reply| UJob::RegFile { fd, reply })
             }) {
                 Ok(p) => Some(p),
-                Err(e) if e.is_remote_gone() => return Err(e),
+                Err(e) if e.is_remote_gone() || matches!(e, XferError::Auth { .. }) => {
+                    return Err(e);
+                }
                 Err(_) => None,
             }
         } else {
@@ -583,6 +605,12 @@ impl Agent {
     }
 
     /// Ask the agent listening on `addr` for its metadata over TCP.
+    ///
+    /// GetMeta is answered to anyone, without a handshake, so the answer comes with its key
+    /// zeroed: it tells who listens there and what they expose (diagnostics, tools), but
+    /// [`add_remote`](Self::add_remote) refuses it. Requiring the handshake instead would be
+    /// circular — the key is what the handshake proves — so peers that are to transfer get
+    /// the metadata, key included, over an authenticated channel (the worker planes) instead.
     pub fn fetch_metadata(addr: SocketAddr, timeout: Duration) -> Result<AgentMetadata> {
         uring::fetch_metadata(addr, timeout)
     }
@@ -760,7 +788,7 @@ impl Agent {
         let mut conns = Vec::with_capacity(self.uring_tx.len());
         for engine in 0..self.uring_tx.len() {
             let to = self.shared.cfg.connect_timeout;
-            let fd = uring::connect(&self.shared, addr, &rem.name, to)?;
+            let fd = uring::connect(&self.shared, addr, &rem.md, to)?;
             let peer = rem.name.clone();
             conns.push(self.uring_call(engine, |reply| UJob::AddConn {
                 fd,

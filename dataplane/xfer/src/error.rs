@@ -60,6 +60,16 @@ pub enum XferError {
     /// A malformed or unexpected frame arrived from a peer.
     #[error("protocol error: {0}")]
     Protocol(&'static str),
+    /// The remote agent failed the handshake: it does not hold the key its metadata names
+    /// (altered or stale metadata, someone else at its address), or the metadata carries no
+    /// key at all (fetched with [`Agent::fetch_metadata`](crate::Agent::fetch_metadata)).
+    #[error("cannot authenticate agent `{peer}`: {reason}")]
+    Auth {
+        /// The remote agent's name, as its metadata gives it.
+        peer: String,
+        /// What failed.
+        reason: &'static str,
+    },
     /// The peer speaks a wire version this build does not.
     #[error("wire version {got} not supported (this build speaks {want})")]
     Version {

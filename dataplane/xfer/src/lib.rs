@@ -6,8 +6,17 @@
 //! ([`Agent::alloc_mem`], a memfd mapped shared, on 2 MiB hugetlb pages when the host has them
 //! reserved) and file ranges ([`Agent::register_file`], opened `O_DIRECT`) — and describes
 //! bytes in them with [`Desc`] triples `(region, offset, len)`. Its [`AgentMetadata`] (name,
-//! instance, host identity, TCP and Unix endpoints, regions) encodes to a compact versioned
-//! blob that discovery carries to peers, which pass it to [`Agent::add_remote`].
+//! instance, host identity, TCP and Unix endpoints, regions, secret key) encodes to a compact
+//! versioned blob that an authenticated channel carries to peers, which pass it to
+//! [`Agent::add_remote`].
+//!
+//! # Authentication
+//!
+//! An agent serves only peers that hold its metadata: every connection, on either channel,
+//! opens with a mutual HMAC-SHA256 challenge-response keyed by the target's random key
+//! ([`auth`]), and until the initiator's proof checked out the target serves nothing but the
+//! handshake and a keyless GetMeta — no region fd, no byte of a region. Metadata fetched with
+//! [`Agent::fetch_metadata`] has no key and cannot be used to connect.
 //!
 //! A transfer is a READ or WRITE of a local descriptor list against a remote one of equal
 //! shape. [`Agent::prep`] validates and resolves the pair once into a [`Prepped`] list (bounds,
@@ -21,7 +30,8 @@
 //! # Backends, chosen by locality
 //!
 //! * **shm** (same host): on `add_remote` the initiator connects the peer's abstract Unix
-//!   socket, receives its region fds by `SCM_RIGHTS` and maps every memory region once.
+//!   socket, authenticates, receives its region fds by `SCM_RIGHTS` and maps every memory
+//!   region once.
 //!   A transfer is a copy in the initiator's copy thread — `memcpy` for small blocks,
 //!   AVX-512/AVX2 non-temporal stores for blocks ≥ `nt_threshold`, one store fence per
 //!   transfer; with `copy_threads` > 1 that many threads take whole transfers from one queue,
@@ -42,7 +52,8 @@
 //!   registered buffers (memory regions are registered with the ring in 1 GiB chunks) and
 //!   fixed files, many ops in flight.
 //! * **rdma** (feature `rdma`): ibverbs device discovery and resources; reports
-//!   [`XferError::NoDevice`] on hosts without an HCA.
+//!   [`XferError::NoDevice`] on hosts without an HCA. Not wired into agents yet; its
+//!   queue-pair details are to travel with the metadata, over the same authenticated channel.
 //!
 //! # Safety
 //!
@@ -73,6 +84,7 @@
 //! `copy_nonoverlapping` never sees an overlap.
 
 mod agent;
+pub mod auth;
 pub mod bench;
 pub mod copy;
 mod desc;

@@ -1,18 +1,25 @@
 //! Agent metadata: who an agent is, where to reach it and which regions it exposes.
 //!
 //! Metadata is what discovery carries between processes. It encodes to a compact versioned
-//! blob ([`AgentMetadata::encode`]) and, for text channels, to hex.
+//! blob ([`AgentMetadata::encode`]) and, for text channels, to hex. It carries the agent's
+//! secret key (see [`crate::auth`]): whoever holds an agent's metadata can connect to it, so
+//! it travels only over authenticated channels (the worker planes) or stays in-process.
+//! Queue-pair details of the RDMA backend, once it is wired into agents, are to travel the
+//! same way, with the metadata.
 
+use std::fmt;
 use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::auth::KEY_LEN;
 use crate::error::{Result, XferError};
 use crate::region::{RegionId, RegionKind};
 use crate::wire::{Dec, Enc};
 
-/// Version of the metadata blob layout.
-pub const META_VERSION: u8 = 1;
+/// Version of the metadata blob layout (2: carries the agent's key; version 1 blobs, which
+/// do not, are refused).
+pub const META_VERSION: u8 = 2;
 const META_MAGIC: u32 = 0x444D_584B; // "KXMD"
 
 /// One exposed region.
@@ -27,7 +34,9 @@ pub struct RegionInfo {
 }
 
 /// Everything a peer needs to transfer to or from an agent.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Its `Debug` output leaves the key out.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentMetadata {
     /// Agent name (unique within a deployment by convention).
     pub name: String,
@@ -43,6 +52,25 @@ pub struct AgentMetadata {
     pub unix: Option<String>,
     /// Exposed regions.
     pub regions: Vec<RegionInfo>,
+    /// The agent's secret: peers prove they hold it before the agent serves them. All zero
+    /// in metadata that was served without it ([`Agent::fetch_metadata`](crate::Agent::fetch_metadata)),
+    /// which cannot be used to connect.
+    pub key: [u8; KEY_LEN],
+}
+
+impl fmt::Debug for AgentMetadata {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentMetadata")
+            .field("name", &self.name)
+            .field("instance", &self.instance)
+            .field("host", &self.host)
+            .field("pid", &self.pid)
+            .field("tcp", &self.tcp)
+            .field("unix", &self.unix)
+            .field("regions", &self.regions)
+            .field("key", &if self.has_key() { "(set)" } else { "(none)" })
+            .finish()
+    }
 }
 
 impl AgentMetadata {
@@ -53,6 +81,7 @@ impl AgentMetadata {
         e.bytes(self.name.as_bytes()).u64(self.instance).u64(self.host).u32(self.pid);
         e.bytes(self.tcp.map(|a| a.to_string()).unwrap_or_default().as_bytes());
         e.bytes(self.unix.as_deref().unwrap_or("").as_bytes());
+        e.bytes(&self.key);
         e.u32(u32::try_from(self.regions.len()).unwrap_or(u32::MAX));
         for r in &self.regions {
             e.u32(r.id.0).u8(match r.kind {
@@ -71,6 +100,11 @@ impl AgentMetadata {
             return Err(XferError::Protocol("not an agent metadata blob"));
         }
         let v = d.u8()?;
+        if v == 1 {
+            return Err(XferError::Protocol(
+                "metadata version 1 carries no key (the agent runs an older kvx-xfer)",
+            ));
+        }
         if v != META_VERSION {
             return Err(XferError::Version { got: v, want: META_VERSION });
         }
@@ -90,6 +124,8 @@ impl AgentMetadata {
         };
         let unix = text(d.bytes()?)?;
         let unix = if unix.is_empty() { None } else { Some(unix) };
+        let key = <[u8; KEY_LEN]>::try_from(d.bytes()?)
+            .map_err(|_| XferError::Protocol("bad key length in metadata"))?;
         let n = d.u32()? as usize;
         if n > d.remaining() / 13 {
             return Err(XferError::Protocol("region count exceeds blob"));
@@ -104,7 +140,7 @@ impl AgentMetadata {
             };
             regions.push(RegionInfo { id, kind, len: d.u64()? });
         }
-        Ok(AgentMetadata { name, instance, host, pid, tcp, unix, regions })
+        Ok(AgentMetadata { name, instance, host, pid, tcp, unix, regions, key })
     }
 
     /// Encode as lowercase hex (for stdout, env vars, text discovery stores).
@@ -133,6 +169,16 @@ impl AgentMetadata {
         let b =
             s.chunks(2).map(|p| Ok(nib(p[0])? << 4 | nib(p[1])?)).collect::<Result<Vec<u8>>>()?;
         Self::decode(&b)
+    }
+
+    /// Whether the metadata carries a key (metadata served by GetMeta does not).
+    pub fn has_key(&self) -> bool {
+        self.key != [0u8; KEY_LEN]
+    }
+
+    /// The same metadata with the key zeroed, safe to hand to anyone.
+    pub fn without_key(&self) -> AgentMetadata {
+        AgentMetadata { key: [0u8; KEY_LEN], ..self.clone() }
     }
 
     /// The exposed region with this id.
@@ -170,6 +216,7 @@ mod tests {
                 RegionInfo { id: RegionId(0), kind: RegionKind::Mem, len: 1 << 30 },
                 RegionInfo { id: RegionId(1), kind: RegionKind::File, len: 4096 },
             ],
+            key: [0x5a; KEY_LEN],
         }
     }
 
@@ -178,15 +225,30 @@ mod tests {
         let m = sample();
         assert_eq!(AgentMetadata::decode(&m.encode()), Ok(m.clone()));
         assert_eq!(AgentMetadata::from_hex(&m.to_hex()), Ok(m.clone()));
-        let none = AgentMetadata { tcp: None, unix: None, regions: vec![], ..m };
+        let none = AgentMetadata { tcp: None, unix: None, regions: vec![], ..m.clone() };
         assert_eq!(AgentMetadata::decode(&none.encode()), Ok(none));
+        let keyless = m.without_key();
+        assert!(m.has_key() && !keyless.has_key());
+        assert_eq!(AgentMetadata::decode(&keyless.encode()), Ok(keyless));
+    }
+
+    #[test]
+    fn debug_leaves_the_key_out() {
+        let m = sample();
+        let s = format!("{m:?}");
+        assert!(s.contains("prefill-0") && s.contains("(set)"), "{s}");
+        assert!(!s.contains("90, 90"), "key bytes (0x5a = 90) printed: {s}");
     }
 
     #[test]
     fn rejects_garbage_and_versions() {
         let mut b = sample().encode();
-        b[4] = 2;
-        assert_eq!(AgentMetadata::decode(&b), Err(XferError::Version { got: 2, want: 1 }));
+        b[4] = 3;
+        assert_eq!(AgentMetadata::decode(&b), Err(XferError::Version { got: 3, want: 2 }));
+        b[4] = 1;
+        assert!(
+            matches!(AgentMetadata::decode(&b), Err(XferError::Protocol(m)) if m.contains("no key"))
+        );
         let b = sample().encode();
         for cut in 0..b.len() {
             assert!(AgentMetadata::decode(&b[..cut]).is_err(), "cut at {cut}");

@@ -5,7 +5,9 @@
 //! functions in the C header). On a host without an HCA, [`probe`] and [`Endpoint::open`]
 //! return [`XferError::NoDevice`]. Agents do not route transfers here yet: the queue-pair
 //! exchange needs the endpoint info in agent metadata, which comes with the first host that
-//! has a device to test it on.
+//! has a device to test it on. That info ([`QpInfo`], with the rkeys of registered memory)
+//! grants one-sided access to the regions, so it is to travel only inside the metadata, over
+//! the same authenticated channel as the agent's key, never over an open endpoint.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::ptr::NonNull;

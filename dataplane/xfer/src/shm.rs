@@ -1,8 +1,10 @@
 //! Same-host backend: the Unix control channel (fd passing, notifications, liveness) and the
 //! copy thread that moves bytes between this process and a peer's mapped memfd regions.
 //!
-//! Connect once: the initiator says Hello, asks for its peer's region fds (SCM_RIGHTS), maps
-//! every memory region shared and registers every file fd with io_uring. From then on a
+//! Connect once: the initiator says Hello, checks the peer's proof and proves it holds the
+//! peer's key ([`crate::auth`]; the peer hands out nothing before that), asks for its peer's
+//! region fds (SCM_RIGHTS), maps every memory region shared and registers every file fd with
+//! io_uring. From then on a
 //! transfer is pointer arithmetic and a copy in the initiator's copy thread; only a small
 //! notification frame travels, and only when asked for. The control thread watches each such
 //! socket for hang-up, which is how a dead peer turns into `RemoteGone` instead of a hang.
@@ -18,6 +20,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::agent::{Prepped, Shared};
+use crate::auth::{Dial, Handshake, PROOF_LEN};
 use crate::copy::{copy_block_unfenced, store_fence};
 use crate::desc::Op;
 use crate::error::{Result, XferError};
@@ -126,7 +129,7 @@ fn io_gone(peer: &str) -> impl Fn(std::io::Error) -> XferError + '_ {
     }
 }
 
-/// Connect to a same-host peer, handshake, fetch and map its regions.
+/// Connect to a same-host peer, authenticate (both ways), fetch and map its regions.
 pub(crate) fn connect_peer(
     sh: &Shared,
     unix: &str,
@@ -140,17 +143,29 @@ pub(crate) fn connect_peer(
     sock.set_read_timeout(t).map_err(|e| XferError::io("setsockopt", &e))?;
     sock.set_write_timeout(Some(sh.cfg.xfer_timeout))
         .map_err(|e| XferError::io("setsockopt", &e))?;
+    let dial = Dial::new()?;
+    let hello = dial.hello(&sh.name);
     let mut h = Header::new(FrameKind::Hello);
     h.xfer = sh.instance;
-    h.notif = sh.name.len().min(MAX_NOTIF) as u16;
-    sock.write_all(&header_bytes(&h)).map_err(&gone)?;
-    sock.write_all(&sh.name.as_bytes()[..usize::from(h.notif)]).map_err(&gone)?;
+    h.notif = hello.len() as u16;
+    let mut frame = header_bytes(&h).to_vec();
+    frame.extend_from_slice(&hello);
+    sock.write_all(&frame).map_err(&gone)?;
     let ack = read_header(&mut sock).map_err(&gone)??;
-    let mut name = vec![0u8; usize::from(ack.notif)];
-    sock.read_exact(&mut name).map_err(&gone)?;
+    if ack.ndesc != 0 || ack.payload != 0 {
+        return Err(XferError::Protocol("malformed HelloAck"));
+    }
+    let mut notif = vec![0u8; usize::from(ack.notif)];
+    sock.read_exact(&mut notif).map_err(&gone)?;
     if ack.kind != FrameKind::HelloAck || ack.xfer != md.instance {
         return Err(XferError::RemoteGone(md.name.clone()));
     }
+    let proof_i = dial.check_ack(&md.key, &notif, &md.name)?;
+    let mut a = Header::new(FrameKind::Auth);
+    a.notif = PROOF_LEN as u16;
+    let mut frame = header_bytes(&a).to_vec();
+    frame.extend_from_slice(&proof_i);
+    sock.write_all(&frame).map_err(&gone)?;
     let ids: Vec<u32> = md.regions.iter().map(|r| r.id.0).collect();
     let mut regions = Vec::with_capacity(ids.len());
     for chunk in ids.chunks(FDS_PER_FRAME) {
@@ -301,6 +316,8 @@ fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> std::io::Res
 struct Accepted {
     sock: UnixStream,
     peer: Arc<str>,
+    /// The handshake: nothing but Hello and Auth is served before it is open.
+    hs: Handshake,
     /// A notification waiting for room in the queue (back-pressure on this peer).
     blocked: Option<NotifBuf>,
     /// The connection failed and is dropped after this poll round.
@@ -384,32 +401,48 @@ fn control_loop(sh: &Shared, listener: &UnixListener) {
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
                 let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-                conns.push(Accepted { sock: s, peer: Arc::from("?"), blocked: None, dead: false });
+                conns.push(Accepted {
+                    sock: s,
+                    peer: Arc::from("?"),
+                    hs: Handshake::Fresh,
+                    blocked: None,
+                    dead: false,
+                });
             }
         }
     }
 }
 
-/// Serve one frame from an accepted peer. `Err` drops the connection.
+/// Serve one frame from an accepted peer. `Err` drops the connection: any frame but Hello
+/// and Auth before the peer authenticated, a wrong proof, a malformed frame.
 fn serve_frame(sh: &Shared, c: &mut Accepted) -> std::io::Result<()> {
+    let invalid = || std::io::Error::from(std::io::ErrorKind::InvalidData);
     let h = match read_header(&mut c.sock)? {
         Ok(h) => h,
-        Err(_) => return Err(std::io::ErrorKind::InvalidData.into()),
+        Err(_) => return Err(invalid()),
     };
+    // Same-host frames carry no descriptors, and only GetFds a payload.
+    if h.ndesc != 0 || (h.kind != FrameKind::GetFds && h.payload != 0) {
+        return Err(invalid());
+    }
     let mut notif = [0u8; MAX_NOTIF];
     let nl = usize::from(h.notif);
     c.sock.read_exact(&mut notif[..nl])?;
     match h.kind {
         FrameKind::Hello => {
-            c.peer = Arc::from(String::from_utf8_lossy(&notif[..nl]).as_ref());
+            let mut ack = Vec::with_capacity(MAX_NOTIF);
+            let name =
+                c.hs.hello(&sh.key, &notif[..nl], &sh.name, &mut ack).map_err(|_| invalid())?;
+            c.peer = Arc::from(String::from_utf8_lossy(name).as_ref());
             let mut a = Header::new(FrameKind::HelloAck);
             a.xfer = sh.instance;
-            a.notif = sh.name.len().min(MAX_NOTIF) as u16;
+            a.notif = ack.len() as u16;
             let mut out = header_bytes(&a).to_vec();
-            out.extend_from_slice(&sh.name.as_bytes()[..usize::from(a.notif)]);
+            out.extend_from_slice(&ack);
             (&c.sock).write_all(&out)
         }
-        FrameKind::GetFds => {
+        FrameKind::Auth => c.hs.auth(&sh.key, &notif[..nl]).map_err(|_| invalid()),
+        FrameKind::GetFds if c.hs.is_open() => {
             let n = usize::try_from(h.payload).unwrap_or(usize::MAX);
             if n % 4 != 0 || n / 4 > FDS_PER_FRAME {
                 return Err(std::io::ErrorKind::InvalidData.into());
@@ -443,7 +476,7 @@ fn serve_frame(sh: &Shared, c: &mut Accepted) -> std::io::Result<()> {
             out.extend_from_slice(&body);
             send_with_fds(&c.sock, &out, &fds)
         }
-        FrameKind::Notif => {
+        FrameKind::Notif if c.hs.is_open() => {
             if !sh.notifs.push(&c.peer, &notif[..nl]) {
                 c.blocked = NotifBuf::new(&notif[..nl]).ok();
             }

@@ -5,6 +5,12 @@
 //! remote and posts transfers to the engines in turn, so that on two cores both ends of a
 //! stream run in parallel (the kernel copies a connection's bytes in the thread driving it).
 //!
+//! A connection opens with the handshake of [`crate::auth`]: [`connect`] runs the initiator's
+//! half, blocking, before it hands the socket to an engine; an accepted connection serves
+//! Hello, Auth and GetMeta only until the initiator's proof checked out (any other frame
+//! closes it), and one that has not authenticated within the connect timeout is closed. A
+//! connection this agent dialled accepts replies only (WriteAck, ReadData).
+//!
 //! TCP framing is in [`crate::wire`]. Per connection at most one receive and one send are in
 //! flight, which keeps the byte stream ordered while many transfers are pipelined on it:
 //! sends are batched (up to [`TX_BATCH`] frames and 1024 iovecs in one `sendmsg`), payloads
@@ -26,6 +32,7 @@ use std::time::{Duration, Instant};
 use io_uring::{IoUring, opcode, squeue, types};
 
 use crate::agent::{BUF_CHUNK, ConnRef, MemSeg, Prepped, Shared, ZeroCopy};
+use crate::auth::{Dial, Handshake, PROOF_LEN};
 use crate::desc::{Desc, MAX_DESCS, Op};
 use crate::error::{Result, XferError, peer_errno};
 use crate::meta::AgentMetadata;
@@ -206,8 +213,13 @@ struct ReadEntry {
 struct Conn {
     fd: OwnedFd,
     seq: u32,
+    /// The remote this agent dialled (authenticated in [`connect`]); `None` when accepted.
     remote: Option<u32>,
     peer: Arc<str>,
+    /// An accepted connection's handshake; requests are served only once it is open.
+    hs: Handshake,
+    /// When the connection was added (an accepted one must authenticate in time).
+    opened: Instant,
     dead: bool,
     rx: Box<[u8]>,
     rx_start: usize,
@@ -228,7 +240,8 @@ struct Conn {
     zc_notifs: u32,
     reads: Vec<ReadEntry>,
     meta_blob: Vec<u8>,
-    name_blob: Vec<u8>,
+    /// The HelloAck's notification area (server nonce, proof, name).
+    hello_blob: Vec<u8>,
 }
 
 impl Conn {
@@ -245,6 +258,8 @@ impl Conn {
             seq,
             remote,
             peer,
+            hs: Handshake::Fresh,
+            opened: Instant::now(),
             dead: false,
             rx: vec![0u8; RX_CAP].into(),
             rx_start: 0,
@@ -262,7 +277,7 @@ impl Conn {
             zc_notifs: 0,
             reads: Vec::new(),
             meta_blob: Vec::new(),
-            name_blob: Vec::new(),
+            hello_blob: Vec::new(),
         })
     }
     fn avail(&self) -> usize {
@@ -855,6 +870,15 @@ impl Engine {
         for ci in expired {
             self.fail_conn(ci, XferError::Timeout);
         }
+        // Close accepted connections that have not authenticated in time.
+        let deadline = self.sh.cfg.connect_timeout;
+        for ci in 0..self.conns.len() {
+            if matches!(&self.conns[ci], Some(c) if c.remote.is_none() && !c.dead
+                && !c.hs.is_open() && c.opened.elapsed() > deadline)
+            {
+                self.fail_conn(ci as u32, XferError::Timeout);
+            }
+        }
         // Finish file transfers whose notification found our own queue full.
         for _ in 0..self.notif_wait.len() {
             let Some(slot) = self.notif_wait.pop_front() else { break };
@@ -999,19 +1023,45 @@ impl Engine {
         let notif_start = meta_start + h.ndesc as usize * DESC_LEN;
         let notif_end = notif_start + usize::from(h.notif);
         let target_room = c.txq.len() < TXQ_TARGET;
+        // Who may send what: on a connection this agent dialled, replies only; on an accepted
+        // one, the handshake and GetMeta until the initiator authenticated, then requests.
+        let allowed = match (c.remote, h.kind) {
+            (Some(_), FrameKind::WriteAck | FrameKind::ReadData) => true,
+            (Some(_), _) => false,
+            (None, FrameKind::Hello | FrameKind::Auth | FrameKind::GetMeta) => true,
+            (None, FrameKind::WriteReq | FrameKind::ReadReq) => c.hs.is_open(),
+            (None, _) => false,
+        };
+        if !allowed {
+            return Err(XferError::Protocol("frame not allowed on this connection yet"));
+        }
         match h.kind {
             FrameKind::Hello => {
                 if !target_room {
                     return Ok(false);
                 }
-                c.peer = Arc::from(String::from_utf8_lossy(&c.rx[notif_start..notif_end]).as_ref());
-                c.rx_start = notif_end;
-                if h.payload != 0 {
-                    return Err(XferError::Protocol("Hello with payload"));
+                if h.payload != 0 || h.ndesc != 0 {
+                    return Err(XferError::Protocol("malformed Hello"));
                 }
+                let name = c.hs.hello(
+                    &sh.key,
+                    &c.rx[notif_start..notif_end],
+                    &sh.name,
+                    &mut c.hello_blob,
+                )?;
+                c.peer = Arc::from(String::from_utf8_lossy(name).as_ref());
+                c.rx_start = notif_end;
                 c.rx_state = Rx::Header;
                 c.txq.push_back(Tx::HelloAck);
                 self.kick_tx(ci);
+            }
+            FrameKind::Auth => {
+                if h.payload != 0 || h.ndesc != 0 {
+                    return Err(XferError::Protocol("malformed Auth"));
+                }
+                c.hs.auth(&sh.key, &c.rx[notif_start..notif_end])?;
+                c.rx_start = notif_end;
+                c.rx_state = Rx::Header;
             }
             FrameKind::GetMeta => {
                 if !target_room {
@@ -1278,18 +1328,17 @@ impl Engine {
                     }
                 }
                 Tx::HelloAck => {
-                    c.name_blob.clear();
-                    c.name_blob
-                        .extend_from_slice(&sh.name.as_bytes()[..sh.name.len().min(MAX_NOTIF)]);
+                    // The blob was built when the Hello arrived; one Hello per connection.
                     let mut h = Header::new(FrameKind::HelloAck);
                     h.xfer = sh.instance;
-                    h.notif = c.name_blob.len() as u16;
+                    h.notif = c.hello_blob.len() as u16;
                     h.encode(&mut c.tx_hdrs[hi]);
                     c.tx_list.push(hp, HEADER_LEN);
-                    c.tx_list.push(c.name_blob.as_ptr(), c.name_blob.len());
+                    c.tx_list.push(c.hello_blob.as_ptr(), c.hello_blob.len());
                 }
                 Tx::Meta => {
-                    c.meta_blob = sh.metadata().encode();
+                    // Served without authentication: never with the key.
+                    c.meta_blob = sh.metadata().without_key().encode();
                     let mut h = Header::new(FrameKind::Meta);
                     h.payload = c.meta_blob.len() as u64;
                     h.encode(&mut c.tx_hdrs[hi]);
@@ -1480,29 +1529,49 @@ fn read_frame(s: &mut TcpStream, max_payload: u64) -> std::io::Result<Result<Fra
     Ok(Ok((h, meta, payload)))
 }
 
-/// Connect to a remote agent's TCP endpoint and handshake (blocking, with timeout).
+/// Connect to a remote agent's TCP endpoint and authenticate both ways (blocking; every read
+/// bounded by `timeout`): Hello, check the HelloAck's proof against the key in `md`, Auth.
 pub(crate) fn connect(
     sh: &Shared,
     addr: SocketAddr,
-    peer: &str,
+    md: &AgentMetadata,
     timeout: Duration,
 ) -> Result<OwnedFd> {
+    let peer = md.name.as_str();
     let gone = |_| XferError::RemoteGone(peer.to_owned());
     let mut s = TcpStream::connect_timeout(&addr, timeout).map_err(gone)?;
     s.set_nodelay(true).map_err(|e| XferError::io("setsockopt", &e))?;
     s.set_read_timeout(Some(timeout)).map_err(|e| XferError::io("setsockopt", &e))?;
+    s.set_write_timeout(Some(timeout)).map_err(|e| XferError::io("setsockopt", &e))?;
+    let dial = Dial::new()?;
+    let hello = dial.hello(&sh.name);
     let mut h = Header::new(FrameKind::Hello);
     h.xfer = sh.instance;
-    let name = &sh.name.as_bytes()[..sh.name.len().min(MAX_NOTIF)];
-    h.notif = name.len() as u16;
+    h.notif = hello.len() as u16;
+    let mut frame = [0u8; HEADER_LEN + MAX_NOTIF];
     let mut hb = [0u8; HEADER_LEN];
     h.encode(&mut hb);
-    s.write_all(&hb).map_err(gone)?;
-    s.write_all(name).map_err(gone)?;
-    let (ack, _, _) = read_frame(&mut s, 0).map_err(gone)??;
-    if ack.kind != FrameKind::HelloAck {
+    frame[..HEADER_LEN].copy_from_slice(&hb);
+    frame[HEADER_LEN..HEADER_LEN + hello.len()].copy_from_slice(&hello);
+    s.write_all(&frame[..HEADER_LEN + hello.len()]).map_err(gone)?;
+    let (ack, notif, _) = read_frame(&mut s, 0).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => XferError::Timeout,
+        _ => XferError::RemoteGone(peer.to_owned()),
+    })??;
+    if ack.kind != FrameKind::HelloAck || ack.ndesc != 0 {
         return Err(XferError::Protocol("expected HelloAck"));
     }
+    if ack.xfer != md.instance {
+        return Err(XferError::RemoteGone(peer.to_owned())); // another instance answers there
+    }
+    let proof_i = dial.check_ack(&md.key, &notif, peer)?;
+    let mut a = Header::new(FrameKind::Auth);
+    a.notif = PROOF_LEN as u16;
+    a.encode(&mut hb);
+    frame[..HEADER_LEN].copy_from_slice(&hb);
+    frame[HEADER_LEN..HEADER_LEN + PROOF_LEN].copy_from_slice(&proof_i);
+    s.write_all(&frame[..HEADER_LEN + PROOF_LEN]).map_err(gone)?;
+    s.set_write_timeout(None).map_err(|e| XferError::io("setsockopt", &e))?;
     s.set_read_timeout(None).map_err(|e| XferError::io("setsockopt", &e))?;
     // SAFETY: into_raw_fd hands over sole ownership of the socket.
     Ok(unsafe { OwnedFd::from_raw_fd(s.into_raw_fd()) })

@@ -17,6 +17,11 @@
 //! A descriptor on the wire is `region u32, reserved u32, offset u64, len u64`. A frame is
 //! header, descriptors, notification bytes, payload. Metadata blobs use [`Enc`]/[`Dec`], a
 //! length-prefixed little-endian encoding that starts with its own version byte.
+//!
+//! Every connection, TCP or same-host, opens with the handshake of [`crate::auth`], carried
+//! in the notification area (read before anything else): Hello `cn ‖ name`, HelloAck
+//! `sn ‖ proof_t ‖ name`, Auth `proof_i`. Until Auth checked out, the target answers only
+//! Hello, Auth and GetMeta; any other frame closes the connection.
 
 use crate::desc::Desc;
 use crate::error::{Result, XferError};
@@ -25,7 +30,7 @@ use crate::region::RegionId;
 /// Frame magic.
 pub const MAGIC: u16 = 0x584B;
 /// Version of the frame layout spoken by this build.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 /// Size of the fixed frame header.
 pub const HEADER_LEN: usize = 32;
 /// Size of one descriptor on the wire.
@@ -37,9 +42,11 @@ pub const MAX_NOTIF: usize = 256;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FrameKind {
-    /// Initiator → target, first frame on a connection; payload = initiator name.
+    /// Initiator → target, first frame on a connection: `xfer` = initiator's instance id;
+    /// notification area = client nonce (32 bytes) + initiator name.
     Hello = 1,
-    /// Target → initiator; payload = target's instance id (8 bytes) + name.
+    /// Target → initiator: `xfer` = target's instance id; notification area = server nonce
+    /// (32 bytes) + the target's proof (32 bytes) + target name.
     HelloAck = 2,
     /// Initiator → target: descriptors of target memory + notification + payload to place there.
     WriteReq = 3,
@@ -49,9 +56,10 @@ pub enum FrameKind {
     ReadReq = 5,
     /// Target → initiator: the bytes asked for (status 0) or an error with no payload.
     ReadData = 6,
-    /// Anyone → agent: send me your metadata.
+    /// Anyone → agent: send me your metadata (served without authentication, so without
+    /// the key).
     GetMeta = 7,
-    /// Agent → asker: payload = encoded metadata.
+    /// Agent → asker: payload = encoded metadata, key zeroed.
     Meta = 8,
     /// Same-host: a notification with no data movement on this channel.
     Notif = 9,
@@ -59,6 +67,9 @@ pub enum FrameKind {
     Fds = 10,
     /// Same-host: ask for the fds of the regions listed in the payload (u32 each).
     GetFds = 11,
+    /// Initiator → target, after HelloAck: notification area = the initiator's proof
+    /// (32 bytes). No reply; a wrong proof closes the connection.
+    Auth = 12,
 }
 
 impl FrameKind {
@@ -75,6 +86,7 @@ impl FrameKind {
             9 => FrameKind::Notif,
             10 => FrameKind::Fds,
             11 => FrameKind::GetFds,
+            12 => FrameKind::Auth,
             _ => return Err(XferError::Protocol("unknown frame kind")),
         })
     }

@@ -688,13 +688,21 @@ fn metadata_fetched_over_tcp() {
     b.alloc_mem(1 << 20).unwrap();
     let md = b.metadata();
     let got = Agent::fetch_metadata(md.tcp.unwrap(), Duration::from_secs(5)).unwrap();
-    assert_eq!(got, md);
+    // Served to anyone, so without the key; everything else as published.
+    assert!(md.has_key() && !got.has_key());
+    assert_eq!(got, md.without_key());
+    // Such metadata names the agent but cannot be used to connect to it.
+    let a = agent("init");
+    assert!(matches!(a.add_remote(&got), Err(XferError::Auth { .. })));
 }
 
 #[test]
 fn tcp_peer_that_stops_answering_times_out() {
+    use kvx_xfer::auth::{NONCE_LEN, Side, proof};
     use std::io::{Read, Write};
-    // A fake target: answers the handshake, then reads requests and never acknowledges.
+    // A fake target holding the key it publishes: answers the handshake, then reads
+    // requests and never acknowledges.
+    let key = [9u8; 32];
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let th = std::thread::spawn(move || {
@@ -702,12 +710,17 @@ fn tcp_peer_that_stops_answering_times_out() {
         let mut hb = [0u8; kvx_xfer::wire::HEADER_LEN];
         s.read_exact(&mut hb).unwrap();
         let h = kvx_xfer::wire::Header::decode(&hb).unwrap();
-        let mut name = vec![0u8; h.notif as usize];
-        s.read_exact(&mut name).unwrap();
+        let mut hello = vec![0u8; h.notif as usize];
+        s.read_exact(&mut hello).unwrap();
+        let cn: [u8; NONCE_LEN] = hello[..NONCE_LEN].try_into().unwrap();
+        let sn = [3u8; NONCE_LEN];
         let mut ack = kvx_xfer::wire::Header::new(kvx_xfer::wire::FrameKind::HelloAck);
         ack.xfer = 1;
+        ack.notif = 64;
         ack.encode(&mut hb);
         s.write_all(&hb).unwrap();
+        s.write_all(&sn).unwrap();
+        s.write_all(&proof(&key, Side::Target, &cn, &sn)).unwrap();
         let mut sink = vec![0u8; 1 << 16];
         while s.read(&mut sink).map(|n| n > 0).unwrap_or(false) {}
     });
@@ -727,6 +740,7 @@ fn tcp_peer_that_stops_answering_times_out() {
             kind: kvx_xfer::RegionKind::Mem,
             len: 1 << 20,
         }],
+        key,
     };
     let r = a.add_remote(&md).unwrap();
     let h = a

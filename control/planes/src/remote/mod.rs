@@ -42,6 +42,7 @@ use kvx_proto::{
     ErrorClass, GenerateRequest, KvNote, KvRole, Output, RequestId, WorkerId, WorkerMetrics,
 };
 use kvx_router::{RequestBlocks, Router, RouterConfig};
+use kvx_trust::ClusterAuth;
 use kvx_worker::output_channel;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
@@ -71,6 +72,8 @@ pub struct RemotePlaneConfig {
     /// Migrations of one request at most after its first token (0: none, the request ends
     /// with an error when its worker dies).
     pub migration_limit: u32,
+    /// How worker connections prove their membership of the cluster (both directions).
+    pub auth: ClusterAuth,
 }
 
 impl Default for RemotePlaneConfig {
@@ -83,6 +86,7 @@ impl Default for RemotePlaneConfig {
             conn_queue: 8192,
             max_attempts: 3,
             migration_limit: 3,
+            auth: ClusterAuth::Open,
         }
     }
 }

@@ -14,8 +14,8 @@ use kvx_proto::plane::{
     Heartbeat, KvEvents, Load, Note, NoteKind, OutputMsg, Register, Snapshot, SnapshotRequest, kind,
 };
 use kvx_proto::wire::{self, WireError};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use kvx_trust::PlaneStream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
@@ -27,7 +27,13 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                tokio::spawn(connection(shared.clone(), stream, peer, never.clone()));
+                let (shared, never) = (shared.clone(), never.clone());
+                tokio::spawn(async move {
+                    match shared.cfg.auth.accept(stream).await {
+                        Ok(stream) => connection(shared, stream, peer, never).await,
+                        Err(e) => tracing::warn!(%peer, error = %e, "refused a worker connection"),
+                    }
+                });
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting a worker connection");
@@ -53,11 +59,21 @@ pub(super) async fn dial_loop(
         };
         match dialled {
             Ok(stream) => {
-                backoff = Duration::from_millis(100);
-                warned = false;
                 let peer =
                     stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-                connection(shared.clone(), stream, peer, cancel.clone()).await;
+                match shared.cfg.auth.connect(stream, &addr).await {
+                    Ok(stream) => {
+                        backoff = Duration::from_millis(100);
+                        warned = false;
+                        connection(shared.clone(), stream, peer, cancel.clone()).await;
+                    }
+                    Err(e) => {
+                        if !warned {
+                            tracing::warn!(worker = %addr, error = %e, "the worker is not admitted; retrying");
+                            warned = true;
+                        }
+                    }
+                }
             }
             Err(e) => {
                 if !warned {
@@ -77,15 +93,14 @@ pub(super) async fn dial_loop(
 /// Serves one worker connection until it dies.
 async fn connection(
     shared: Arc<Shared>,
-    stream: TcpStream,
+    stream: PlaneStream,
     peer: SocketAddr,
     mut cancel: watch::Receiver<bool>,
 ) {
-    let _ = stream.set_nodelay(true);
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::channel(shared.cfg.conn_queue.max(1));
     shared.lock().conns.insert(conn, Conn { tx, workers: Vec::new(), peer });
-    let (rd, wr) = stream.into_split();
+    let (rd, wr) = tokio::io::split(stream);
     let mut writer = tokio::spawn(write_loop(wr, rx, shared.cfg.heartbeat));
     let _ = &mut cancel; // ends the dialling, not this connection (see `RemotePlane::follow`)
     let why = tokio::select! {
@@ -101,7 +116,7 @@ async fn connection(
 }
 
 async fn write_loop(
-    mut wr: OwnedWriteHalf,
+    mut wr: WriteHalf<PlaneStream>,
     mut rx: mpsc::Receiver<Down>,
     heartbeat: Duration,
 ) -> String {
@@ -127,7 +142,12 @@ async fn write_loop(
                 Err(_) => break,
             }
         }
-        if let Err(e) = wr.write_all(&buf).await {
+        if let Err(e) = async {
+            wr.write_all(&buf).await?;
+            wr.flush().await
+        }
+        .await
+        {
             return format!("writing: {e}");
         }
         buf.clear();
@@ -179,7 +199,7 @@ fn decode(k: u8, payload: &[u8]) -> Result<Option<Up>, WireError> {
     }))
 }
 
-async fn read_loop(shared: &Shared, conn: u64, mut rd: OwnedReadHalf) -> String {
+async fn read_loop(shared: &Shared, conn: u64, mut rd: ReadHalf<PlaneStream>) -> String {
     let cfg = &shared.cfg;
     let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
     let mut ups = Vec::new();

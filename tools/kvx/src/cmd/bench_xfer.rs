@@ -1,7 +1,7 @@
 //! `kvx bench xfer`: KV transfer bandwidth and latency for the shm, tcp and file backends.
 //!
-//! Starts the remote side itself (a child `kvx bench xfer --serve-peer`) unless `--peer ADDR`
-//! names a running one; the file backend needs no peer.
+//! Starts the remote side itself (a child `kvx bench xfer --serve-peer`) unless `--peer`
+//! gives the metadata a running one printed; the file backend needs no peer.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use kvx_xfer::bench::{BenchConfig, BenchReport};
 use kvx_xfer::peer::PeerConfig;
-use kvx_xfer::{Agent, AgentMetadata, Backend, HugePages, Op, ZeroCopy};
+use kvx_xfer::{AgentMetadata, Backend, HugePages, Op, ZeroCopy};
 
 /// Arguments of `kvx bench xfer`.
 #[derive(Debug, clap::Args)]
@@ -44,9 +44,10 @@ pub(crate) struct XferArgs {
     /// Runs (each printed; take the median).
     #[arg(long, default_value_t = 1)]
     runs: usize,
-    /// Use a running peer at this TCP address instead of starting one.
+    /// Use a running peer instead of starting one: the metadata line it printed (hex, key
+    /// included: a peer admits only holders of its key), or `@FILE` holding that line.
     #[arg(long)]
-    peer: Option<SocketAddr>,
+    peer: Option<String>,
     /// Backing file for the file backend (default: a temporary file, removed afterwards).
     #[arg(long, env = "KVX_BENCH_XFER_FILE")]
     file: Option<PathBuf>,
@@ -177,9 +178,17 @@ pub(crate) fn run(a: XferArgs) -> anyhow::Result<()> {
         },
     };
     let mut _peer = None;
-    let md = match (backend, a.peer) {
+    let md = match (backend, a.peer.clone()) {
         (Backend::File, _) => None,
-        (_, Some(addr)) => Some(Agent::fetch_metadata(addr, Duration::from_secs(5))?),
+        (_, Some(spec)) => {
+            let line = match spec.strip_prefix('@') {
+                Some(path) => std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the peer's metadata from {path}"))?,
+                None => spec,
+            };
+            let line = line.lines().next().unwrap_or("").trim().to_owned();
+            Some(AgentMetadata::from_hex(&line).context("--peer: the peer's metadata line")?)
+        }
         _ => {
             let (p, md) = spawn_peer(pool, a.no_huge, a.tcp_threads)?;
             _peer = Some(p);

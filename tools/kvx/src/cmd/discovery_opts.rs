@@ -74,7 +74,14 @@ pub(crate) fn records(
             fingerprint: fingerprint.to_string(),
             block_size,
             kv_blocks: h.kv_blocks,
-            kv_agent: h.kv_peer.as_ref().map(|p| p.agent.clone()).unwrap_or_default(),
+            // Without the agent's key: etcd readers are not all cluster members; peers get
+            // the key only inside `Register` frames on an admitted plane connection.
+            kv_agent: h
+                .kv_peer
+                .as_ref()
+                .and_then(|p| kvx_xfer::AgentMetadata::decode(&p.agent).ok())
+                .map(|m| m.without_key().encode())
+                .unwrap_or_default(),
         })
         .collect()
 }

@@ -13,8 +13,9 @@ use kvx_planes::{RemotePlane, RemotePlaneConfig};
 use kvx_worker::ModelMeta;
 
 use super::Runtime;
+use super::cluster_opts::{ClusterOpts, warn_if_open};
 use super::discovery_opts::DiscoveryOpts;
-use super::http_opts::{HttpOpts, created_now, shutdown_signal};
+use super::http_opts::{HttpOpts, created_now, reload_on_hangup, shutdown_signal};
 use super::router_opts::{DisaggOpts, RouterOpts};
 use super::worker::PlaneOpts;
 
@@ -52,6 +53,8 @@ pub(crate) struct FrontendArgs {
     discovery: DiscoveryOpts,
     #[command(flatten)]
     plane: PlaneOpts,
+    #[command(flatten)]
+    cluster: ClusterOpts,
 }
 
 pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
@@ -72,6 +75,7 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
         heartbeat_timeout: args.plane.heartbeat_timeout(),
         max_attempts: args.max_attempts.max(1),
         migration_limit: args.migration_limit,
+        auth: args.cluster.auth()?,
         ..RemotePlaneConfig::default()
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -82,6 +86,7 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
             .await
             .with_context(|| format!("listening for workers on {}", args.worker_listen))?;
         let worker_addr = listener.local_addr()?;
+        warn_if_open(&remote.auth, worker_addr, "the worker plane");
         let plane = RemotePlane::with_disagg(remote, router, args.disagg.config(), listener)?;
         for w in &args.workers {
             plane.dial(w.clone());
@@ -91,11 +96,13 @@ pub(crate) fn run(args: FrontendArgs, rt: &Runtime) -> Result<()> {
         }
         let dispatcher: Arc<dyn Dispatcher> = plane;
         let server = Server::bind(cfg, model, dispatcher).await?;
+        reload_on_hangup(server.handle());
+        let scheme = server.scheme();
         let addr = server.local_addr()?;
         let mut out = std::io::stdout().lock();
         let _ = writeln!(
             out,
-            "kvx: frontend for {name}, router mode {mode:?}\nworkers join at {worker_addr}\nlistening on http://{addr}",
+            "kvx: frontend for {name}, router mode {mode:?}\nworkers join at {worker_addr}\nlistening on {scheme}://{addr}",
         );
         let _ = out.flush();
         drop(out);

@@ -1,13 +1,16 @@
 //! HTTP flags shared by the commands that serve the OpenAI API (`serve`, `frontend`), the one
-//! place that turns them into an [`IngressConfig`] and the HTTP runtime, and the helpers every
-//! serving command uses (the served model name, the shutdown signal).
+//! place that turns them into an [`IngressConfig`] (reading the TLS and API key files) and the
+//! HTTP runtime, and the helpers every serving command uses (the served model name, the
+//! shutdown signal, reloading on SIGHUP).
 
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvx_ingress::IngressConfig;
+use kvx_ingress::{ApiKeys, IngressConfig, ServerHandle, Tls};
 
 use kvx_worker::store::{CATALOGUE, DEFAULT};
 
@@ -27,6 +30,18 @@ pub(crate) struct HttpOpts {
     /// keys no authentication is asked for.
     #[arg(long = "api-key", env = "KVX_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub(crate) api_keys: Vec<String>,
+    /// Also accepted: the keys in FILE, one a line, each optionally followed by the models it
+    /// may use (comma-separated; other models answer 404); `#` starts a comment. Re-read on
+    /// SIGHUP. With a file, a key is always asked for.
+    #[arg(long, env = "KVX_API_KEYS_FILE", value_name = "FILE")]
+    pub(crate) api_keys_file: Option<PathBuf>,
+    /// Serve HTTPS with this certificate chain (PEM, leaf first; needs --tls-key). Re-read
+    /// with the key on SIGHUP: new connections get the new certificate.
+    #[arg(long, env = "KVX_TLS_CERT", value_name = "PEM", requires = "tls_key")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "KVX_TLS_KEY", value_name = "PEM", requires = "tls_cert")]
+    pub(crate) tls_key: Option<PathBuf>,
     /// Largest request body in bytes (413 above).
     #[arg(long, env = "KVX_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub(crate) max_body_bytes: usize,
@@ -42,14 +57,20 @@ pub(crate) struct HttpOpts {
 }
 
 impl HttpOpts {
-    /// The ingress configuration (checks the flags).
+    /// The ingress configuration (checks the flags, reads the TLS and API key files).
     pub(crate) fn ingress(&self) -> Result<IngressConfig> {
         if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
             bail!("--shutdown-grace must be a non-negative number of seconds");
         }
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(Tls::load(cert, key)?),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        };
         Ok(IngressConfig {
             addr: SocketAddr::new(self.host, self.port),
-            api_keys: self.api_keys.iter().filter(|k| !k.is_empty()).cloned().collect(),
+            keys: ApiKeys::new(&self.api_keys, self.api_keys_file.as_deref())?,
+            tls,
             max_body_bytes: self.max_body_bytes,
             shutdown_grace: Duration::from_secs_f64(self.shutdown_grace),
             max_inflight: self.max_inflight.max(1),
@@ -94,6 +115,55 @@ pub(crate) fn served_name(spec: Option<&str>) -> String {
 /// Unix seconds now (a served model's `created`).
 pub(crate) fn created_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// With a keys file or TLS, re-reads them on every SIGHUP (off the runtime's threads) and says
+/// on stderr what was reloaded, or why the old keys or certificate stay. Call it inside the
+/// HTTP runtime before the server announces itself. Without either, SIGHUP keeps its default.
+pub(crate) fn reload_on_hangup(handle: ServerHandle) {
+    use tokio::signal::unix::{SignalKind, signal};
+    if handle.keys_file().is_none() && handle.cert_file().is_none() {
+        return;
+    }
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            say(format_args!("kvx: warning: cannot watch SIGHUP, so nothing will reload: {e}"));
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let h = handle.clone();
+            let Ok(done) = tokio::task::spawn_blocking(move || h.reload()).await else {
+                say(format_args!("kvx: error: the reload on SIGHUP did not finish"));
+                continue;
+            };
+            match (done.keys, handle.keys_file()) {
+                (Some(Ok(n)), Some(f)) => {
+                    say(format_args!("kvx: reloaded {n} API key(s) from {}", f.display()))
+                }
+                (Some(Err(e)), _) => {
+                    say(format_args!("kvx: error: keeping the API keys in force: {e}"))
+                }
+                _ => {}
+            }
+            match (done.tls, handle.cert_file()) {
+                (Some(Ok(())), Some(f)) => {
+                    say(format_args!("kvx: reloaded the TLS certificate from {}", f.display()))
+                }
+                (Some(Err(e)), _) => {
+                    say(format_args!("kvx: error: keeping the TLS certificate in force: {e}"))
+                }
+                _ => {}
+            }
+        }
+    });
+}
+
+/// A line on stderr; a stderr that is gone (a closed terminal) is no reason to stop serving.
+fn say(line: std::fmt::Arguments<'_>) {
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// Completes on SIGTERM or Ctrl-C.

@@ -14,6 +14,7 @@ mod bench;
 mod bench_config;
 mod bench_engine;
 mod bench_xfer;
+mod cluster_opts;
 mod discovery_opts;
 mod engine;
 mod frontend;

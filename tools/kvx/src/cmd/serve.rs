@@ -15,7 +15,7 @@ use kvx_worker::setup::allowed_cores;
 
 use super::Runtime;
 use super::engine::EngineOpts;
-use super::http_opts::{HttpOpts, created_now, shutdown_signal};
+use super::http_opts::{HttpOpts, created_now, reload_on_hangup, shutdown_signal};
 use super::router_opts::{DisaggOpts, RouterOpts};
 
 /// What computes tokens.
@@ -112,16 +112,18 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         created: created_now(),
     };
     let dispatcher: Arc<dyn Dispatcher> = plane.clone();
-    let keyed = !cfg.api_keys.is_empty();
+    let keyed = cfg.keys.required();
     let runtime = args.http.runtime(n_cores, "kvx-http")?;
     let report = runtime.block_on(async move {
         let server = Server::bind(cfg, model, dispatcher).await?;
+        reload_on_hangup(server.handle());
+        let scheme = server.scheme();
         let addr = server.local_addr()?;
         let mut out = std::io::stdout().lock();
         let auth = if keyed { " -H 'Authorization: Bearer YOUR_KEY'" } else { "" };
         let _ = writeln!(
             out,
-            "kvx: serving {name} ({} engine, {n} shard(s), context {context}) in {:.1} s\ntry:\n  curl http://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\":\"{name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\nlistening on http://{addr}",
+            "kvx: serving {name} ({} engine, {n} shard(s), context {context}) in {:.1} s\ntry:\n  curl {scheme}://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\":\"{name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\nlistening on {scheme}://{addr}",
             kind.name(),
             t0.elapsed().as_secs_f64(),
         );

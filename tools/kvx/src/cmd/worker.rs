@@ -14,6 +14,7 @@ use kvx_worker::remote::{Link, Phase};
 use kvx_worker::{EngineKind, MockerSetup, RemoteConfig};
 
 use super::Runtime;
+use super::cluster_opts::{ClusterOpts, warn_if_open};
 use super::discovery_opts::{DiscoveryOpts, records};
 use super::engine::EngineOpts;
 use super::http_opts::{served_name, shutdown_signal};
@@ -125,6 +126,8 @@ pub(crate) struct WorkerArgs {
     #[command(flatten)]
     plane: PlaneOpts,
     #[command(flatten)]
+    cluster: ClusterOpts,
+    #[command(flatten)]
     opts: EngineOpts,
 }
 
@@ -182,6 +185,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         heartbeat: args.plane.heartbeat(),
         heartbeat_timeout: args.plane.heartbeat_timeout(),
         synthetic_text: mocker,
+        auth: args.cluster.auth()?,
         ..RemoteConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -200,6 +204,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
                     .await
                     .with_context(|| format!("listening on {addr}"))?;
                 let bound = l.local_addr()?;
+                warn_if_open(&cfg.auth, bound, "the worker's plane listener");
                 endpoint = args.advertise.clone().unwrap_or_else(|| bound.to_string());
                 say(&format!("listening for a frontend at {bound}"));
                 Link::Listen(l)
