@@ -181,16 +181,24 @@ pub enum DiskError {
 }
 
 /// Opens (creating it and the directory when missing) and locks the tier file `name` in
-/// `dir`, sized for `layout` (sparse: space is taken as blocks are written).
+/// `dir`, sized for `layout` (sparse: space is taken as blocks are written). A file it
+/// creates is readable by its owner only (0600, it holds the KV of users' prompts), and so is
+/// a directory it creates (0700).
 pub fn open(dir: &Path, name: &str, layout: &DiskLayout) -> Result<DiskFile, DiskError> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let path = dir.join(name);
     let io_err = |what, source| DiskError::Io { what, path: path.clone(), source };
-    std::fs::create_dir_all(dir).map_err(|e| io_err("creating the directory of", e))?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| io_err("creating the directory of", e))?;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
         .open(&path)
         .map_err(|e| io_err("opening", e))?;
     match f.try_lock() {

@@ -14,10 +14,12 @@
 //! A handshake that fails, or takes longer than [`HANDSHAKE_TIMEOUT`], ends in a closed
 //! connection and an error naming why; nothing of the plane is spoken before it succeeds.
 
+use std::collections::HashSet;
 use std::io;
+use std::net::IpAddr;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -193,6 +195,25 @@ impl ClusterAuth {
                 Ok(PlaneStream::Server(Box::new(tls)))
             }
         }
+    }
+}
+
+/// Remembers the addresses whose connections were refused, so that each is logged once (a
+/// peer retrying every 100 ms must not flood the log). Bounded: past [`RefusalLog::MAX`]
+/// addresses nothing more is remembered or logged.
+#[derive(Debug, Default)]
+pub struct RefusalLog {
+    seen: Mutex<HashSet<IpAddr>>,
+}
+
+impl RefusalLog {
+    /// Addresses remembered at most.
+    pub const MAX: usize = 4096;
+
+    /// True the first time `ip` is refused (log it then).
+    pub fn first(&self, ip: IpAddr) -> bool {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.len() < Self::MAX && seen.insert(ip)
     }
 }
 

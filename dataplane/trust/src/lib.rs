@@ -5,7 +5,7 @@
 pub mod cluster;
 pub mod pem;
 
-pub use cluster::{ClusterAuth, HandshakeError, PlaneStream};
+pub use cluster::{ClusterAuth, HandshakeError, PlaneStream, RefusalLog};
 
 use std::path::{Path, PathBuf};
 

@@ -134,3 +134,18 @@ async fn mutual_tls_admits_certificates_of_the_cluster_ca_only() {
     assert!(e.to_string().contains("none.pem"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn each_refused_address_is_logged_once() {
+    let log = kvx_trust::RefusalLog::default();
+    let a: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+    let b: std::net::IpAddr = "10.0.0.2".parse().unwrap();
+    assert!(log.first(a));
+    assert!(!log.first(a));
+    assert!(log.first(b));
+    for i in 0..kvx_trust::RefusalLog::MAX as u32 {
+        let _ = log.first(std::net::IpAddr::from(i.to_be_bytes()));
+    }
+    // Full: nothing new is remembered (or logged).
+    assert!(!log.first("192.168.255.255".parse().unwrap()));
+}

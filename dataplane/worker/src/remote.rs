@@ -174,6 +174,8 @@ struct Ctx {
     subscribers: std::sync::Mutex<Vec<(u64, mpsc::Sender<ShardEvent>)>>,
     next_session: AtomicU64,
     phase: watch::Receiver<Phase>,
+    /// Peers refused at the cluster handshake (each address logged once).
+    refused: kvx_trust::RefusalLog,
 }
 
 impl Ctx {
@@ -259,6 +261,7 @@ pub async fn serve(
         subscribers: std::sync::Mutex::new(Vec::new()),
         next_session: AtomicU64::new(1),
         phase,
+        refused: kvx_trust::RefusalLog::default(),
     });
     let hub = tokio::spawn(fan_out(ctx.clone(), ev_rx));
     let (end_tx, end_rx) = watch::channel(false);
@@ -407,7 +410,11 @@ async fn listen(
             },
             Some(done) = sessions.join_next() => match done {
                 Ok((peer, End::Lost(why))) => tracing::warn!(frontend = %peer, reason = %why, "connection lost"),
-                Ok((peer, End::Refused(why))) => tracing::warn!(peer = %peer, reason = %why, "refused a connection"),
+                Ok((peer, End::Refused(why))) => {
+                    if ctx.refused.first(peer.ip()) {
+                        tracing::warn!(peer = %peer, reason = %why, "refused a connection (further refusals of this address are not logged)");
+                    }
+                }
                 Ok((peer, End::Rejected { worker, reason })) => {
                     tracing::warn!(frontend = %peer, worker, %reason, "a frontend refused this worker");
                 }

@@ -185,6 +185,8 @@ struct Shared {
     next_conn: AtomicU64,
     disagg: DisaggConfig,
     counters: DisaggCounters,
+    /// Peers refused at the cluster handshake (each address logged once).
+    refused: kvx_trust::RefusalLog,
 }
 
 /// Remote workers as one dispatcher.
@@ -239,6 +241,7 @@ impl RemotePlane {
             }),
             start: Instant::now(),
             next_conn: AtomicU64::new(1),
+            refused: kvx_trust::RefusalLog::default(),
         });
         tokio::spawn(session::accept_loop(shared.clone(), listener));
         tokio::spawn(session::maintenance(shared.clone()));

@@ -31,7 +31,11 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 tokio::spawn(async move {
                     match shared.cfg.auth.accept(stream).await {
                         Ok(stream) => connection(shared, stream, peer, never).await,
-                        Err(e) => tracing::warn!(%peer, error = %e, "refused a worker connection"),
+                        Err(e) => {
+                            if shared.refused.first(peer.ip()) {
+                                tracing::warn!(%peer, error = %e, "refused a worker connection (further refusals of this address are not logged)");
+                            }
+                        }
                     }
                 });
             }
