@@ -9,12 +9,19 @@
 //! An etcd that goes away changes nothing that runs: a watcher keeps its last view of the
 //! fleet and reconciles it (list, then watch) once etcd answers again; a registrar keeps
 //! trying and registers again under a new lease if its old one expired.
+//!
+//! etcd may ask for credentials ([`EtcdCredentials`]): TLS to `https://` endpoints with a
+//! client certificate, or a user and password (a token that is fetched again when etcd
+//! forgets it). Credentials etcd refuses are an error at start ([`Etcd::check`]), not a
+//! retry loop.
 
 #![forbid(unsafe_code)]
 
 pub mod etcd;
+mod tls;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,11 +47,20 @@ pub enum DiscoveryError {
     /// etcd answered something unreadable.
     #[error("etcd protocol: {0}")]
     Protocol(String),
+    /// etcd refused who we are: a wrong user or password, no user where etcd wants one, or
+    /// a permission the user lacks.
+    #[error("etcd authentication: {0}")]
+    Auth(String),
+    /// TLS with etcd failed: its certificate is not trusted, or ours is missing or refused.
+    #[error("etcd TLS: {0}")]
+    Tls(String),
 }
 
-impl From<hyper_util::client::legacy::Error> for DiscoveryError {
-    fn from(e: hyper_util::client::legacy::Error) -> Self {
-        DiscoveryError::Unavailable(e.to_string())
+impl DiscoveryError {
+    /// Whether trying again later may help (etcd away), rather than different settings or
+    /// credentials.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, DiscoveryError::Unavailable(_))
     }
 }
 
@@ -73,7 +89,8 @@ pub struct WorkerRecord {
 /// Settings of etcd discovery.
 #[derive(Debug, Clone)]
 pub struct EtcdConfig {
-    /// `http://host:port` of the cluster's members.
+    /// `http://host:port` (or, with [`EtcdCredentials::ca`], `https://host:port`) of the
+    /// cluster's members.
     pub endpoints: Vec<String>,
     /// Keys live under `/kvx/<namespace>/`.
     pub namespace: String,
@@ -81,6 +98,29 @@ pub struct EtcdConfig {
     pub ttl: Duration,
     /// Timeout of one call.
     pub timeout: Duration,
+    /// How kvx proves who it is to etcd, and checks etcd's certificate.
+    pub credentials: EtcdCredentials,
+}
+
+/// Credentials for etcd (all optional).
+#[derive(Clone, Default)]
+pub struct EtcdCredentials {
+    /// The CA (PEM) that signed etcd's server certificate; needed for `https://` endpoints.
+    pub ca: Option<PathBuf>,
+    /// A client certificate chain and its key (PEM), for etcd's `--client-cert-auth`.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// A user and password: calls carry the token etcd grants for them.
+    pub user: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for EtcdCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdCredentials")
+            .field("ca", &self.ca)
+            .field("client_cert", &self.client_cert)
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish_non_exhaustive()
+    }
 }
 
 impl EtcdConfig {

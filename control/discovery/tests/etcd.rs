@@ -86,6 +86,7 @@ fn cfg(url: &str, ns: &str, ttl: u64) -> EtcdConfig {
         namespace: ns.into(),
         ttl: Duration::from_secs(ttl),
         timeout: Duration::from_secs(2),
+        credentials: Default::default(),
     }
 }
 

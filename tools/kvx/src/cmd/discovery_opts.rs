@@ -1,12 +1,14 @@
 //! Discovery flags shared by `frontend` and `worker`, turned into an etcd client and its
-//! settings, and the worker records a worker process publishes.
+//! settings (with etcd's credentials, checked before anything starts), and the worker
+//! records a worker process publishes.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, ValueEnum};
-use kvx_discovery::{Etcd, EtcdConfig, WorkerRecord};
+use kvx_discovery::{Etcd, EtcdConfig, EtcdCredentials, WorkerRecord};
 use kvx_worker::Hosted;
 
 /// How workers are found.
@@ -23,7 +25,8 @@ pub(crate) struct DiscoveryOpts {
     /// How workers are found.
     #[arg(long, value_enum, env = "KVX_DISCOVERY", default_value = "embedded")]
     discovery: DiscoveryKind,
-    /// etcd members (`http://host:port`), comma-separated.
+    /// etcd members (`http://host:port`, or `https://host:port` with `--etcd-ca`),
+    /// comma-separated.
     #[arg(
         long,
         env = "KVX_ETCD_ENDPOINTS",
@@ -37,6 +40,30 @@ pub(crate) struct DiscoveryOpts {
     /// Seconds a worker's records outlive its last keep-alive.
     #[arg(long, env = "KVX_LEASE_TTL", default_value_t = 10)]
     lease_ttl: u64,
+    /// The CA (PEM) that signed etcd's server certificate: needed for `https://` endpoints.
+    #[arg(long, env = "KVX_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    /// A client certificate chain (PEM) for etcd's `--client-cert-auth`, with `--etcd-key`.
+    #[arg(long, env = "KVX_ETCD_CERT", requires = "etcd_key")]
+    etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "KVX_ETCD_KEY", requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+    /// An etcd user (etcd with authentication enabled), with `--etcd-password-file`.
+    #[arg(long, env = "KVX_ETCD_USER")]
+    etcd_user: Option<String>,
+    /// A file holding the etcd user's password (one line); or `KVX_ETCD_PASSWORD` holds it.
+    #[arg(long, env = "KVX_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
+    /// The etcd user's password itself (prefer the file: flags show in `ps`).
+    #[arg(
+        long,
+        env = "KVX_ETCD_PASSWORD",
+        hide = true,
+        hide_env_values = true,
+        conflicts_with = "etcd_password_file"
+    )]
+    etcd_password: Option<String>,
 }
 
 impl DiscoveryOpts {
@@ -50,9 +77,59 @@ impl DiscoveryOpts {
             namespace: self.namespace.clone(),
             ttl: Duration::from_secs(self.lease_ttl.max(1)),
             timeout: Duration::from_secs(2),
+            credentials: self.credentials()?,
         };
-        let etcd = Etcd::new(&cfg.endpoints, cfg.timeout).context("--etcd-endpoints")?;
+        let etcd = Etcd::from_config(&cfg).context("etcd discovery")?;
+        check(&cfg)?;
         Ok(Some((Arc::new(etcd), cfg)))
+    }
+
+    fn credentials(&self) -> Result<EtcdCredentials> {
+        let password = match (&self.etcd_password_file, &self.etcd_password) {
+            (Some(f), _) => {
+                let p = std::fs::read_to_string(f)
+                    .with_context(|| format!("reading --etcd-password-file {}", f.display()))?;
+                Some(p.trim_end_matches(['\r', '\n']).to_string())
+            }
+            (None, Some(p)) => Some(p.clone()),
+            (None, None) => None,
+        };
+        let user = match (&self.etcd_user, password) {
+            (Some(u), Some(p)) => Some((u.clone(), p)),
+            (Some(_), None) => {
+                bail!("--etcd-user needs --etcd-password-file (or KVX_ETCD_PASSWORD)")
+            }
+            (None, Some(_)) => bail!("an etcd password without --etcd-user"),
+            (None, None) => None,
+        };
+        let client_cert = self.etcd_cert.clone().zip(self.etcd_key.clone());
+        Ok(EtcdCredentials { ca: self.etcd_ca.clone(), client_cert, user })
+    }
+}
+
+/// Checks before anything starts that etcd accepts the credentials: a wrong password, a CA
+/// that did not sign etcd's certificate or a client certificate etcd refuses is an error
+/// now. An etcd that does not answer yet is not: discovery keeps trying, as it does when
+/// etcd goes away later.
+fn check(cfg: &EtcdConfig) -> Result<()> {
+    let cfg = cfg.clone();
+    // On a thread of its own: the callers may already run inside a runtime.
+    let verdict = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async {
+            let etcd = Etcd::from_config(&cfg)?;
+            anyhow::Ok(etcd.check(&cfg.workers_prefix()).await)
+        })
+    })
+    .join()
+    .map_err(|_| anyhow!("checking etcd failed"))??;
+    match verdict {
+        Ok(()) => Ok(()),
+        Err(e) if e.is_transient() => {
+            eprintln!("kvx: etcd does not answer yet ({e}); starting, and still trying");
+            Ok(())
+        }
+        Err(e) => Err(anyhow!(e).context("etcd discovery")),
     }
 }
 
