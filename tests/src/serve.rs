@@ -38,7 +38,6 @@ impl Served {
         let mut child = cmd.spawn().expect("spawning kvx serve");
         let stdout = child.stdout.take().expect("stdout");
         #[allow(clippy::disallowed_methods)] // a child's stdout lines: as many as it prints
-        #[allow(clippy::disallowed_methods)] // a child's stdout lines: as many as it prints
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut banner = String::new();
@@ -117,12 +116,48 @@ pub trait Endpoint {
 
     /// The value of a series (its name with its labels, as printed) in `/metrics`.
     fn metric(&self, series: &str) -> Option<f64> {
-        let text = self.get("/metrics").text();
-        text.lines().find_map(|l| {
-            let (name, v) = l.rsplit_once(' ')?;
-            (name == series).then(|| v.parse().ok()).flatten()
-        })
+        metric_in(&self.get("/metrics").text(), series)
     }
+}
+
+/// The value of a series (its name with its labels, as printed) in `/metrics` text.
+pub fn metric_in(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let (name, v) = l.rsplit_once(' ')?;
+        (name == series).then(|| v.parse().ok()).flatten()
+    })
+}
+
+/// Starts a streamed `POST path` with `headers` and reads until `events` SSE messages came;
+/// the socket stays open (drop it to hang up). Returns it with what was read.
+pub fn open_stream(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+    events: usize,
+) -> (std::net::TcpStream, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connecting");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).expect("timeout");
+    let b = body.to_string();
+    let mut req = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str(&format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+        b.len()
+    ));
+    s.write_all(req.as_bytes()).expect("writing");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&got).matches("data: ").count() < events {
+        let k = s.read(&mut buf).expect("reading the stream");
+        assert!(k > 0, "the stream ended early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..k]);
+    }
+    (s, String::from_utf8_lossy(&got).into_owned())
 }
 
 impl Endpoint for Served {

@@ -53,6 +53,11 @@ impl ApiError {
         ApiError { code: Some("invalid_api_key"), ..Self::new(StatusCode::UNAUTHORIZED, message) }
     }
 
+    /// 403: an accepted key that may not use the endpoint.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        ApiError { code: Some("permission_denied"), ..Self::new(StatusCode::FORBIDDEN, message) }
+    }
+
     /// 404 for a model name.
     pub fn model_not_found(name: &str) -> Self {
         ApiError {
@@ -95,6 +100,15 @@ impl ApiError {
         }
     }
 
+    /// 429 for a key's limit, with `Retry-After: retry_after` (seconds).
+    pub fn rate_limited(message: impl Into<String>, retry_after: u32) -> Self {
+        ApiError {
+            retry_after: Some(retry_after.max(1)),
+            code: Some("rate_limit_exceeded"),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, message)
+        }
+    }
+
     /// 503 with `Retry-After`.
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError { retry_after: Some(5), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
@@ -123,6 +137,7 @@ impl ApiError {
         match self.status.as_u16() {
             400 | 413 | 404 | 405 => "invalid_request_error",
             401 => "authentication_error",
+            403 => "permission_error",
             429 => "rate_limit_error",
             503 => "service_unavailable",
             504 => "timeout",
@@ -230,5 +245,14 @@ mod tests {
         }
         let r = ApiError::overloaded("full").into_response();
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        let e = ApiError::rate_limited("slow down", 30);
+        assert_eq!(
+            (e.status.as_u16(), e.kind(), e.code),
+            (429, "rate_limit_error", Some("rate_limit_exceeded"))
+        );
+        assert_eq!(e.into_response().headers()[header::RETRY_AFTER], "30");
+        assert_eq!(ApiError::rate_limited("m", 0).retry_after, Some(1));
+        let e = ApiError::forbidden("no");
+        assert_eq!((e.status.as_u16(), e.kind()), (403, "permission_error"));
     }
 }

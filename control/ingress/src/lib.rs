@@ -5,7 +5,7 @@
 //! [`Server::bind`] takes an [`IngressConfig`] (with the API keys and the TLS certificate
 //! already read), the served [`ModelInfo`] and a [`Dispatcher`] (the serving side);
 //! [`Server::run`] serves until a shutdown future fires, and [`ServerHandle::reload`] re-reads
-//! the keys file and the certificate meanwhile.
+//! the keys file (models, limits and admin keys per key) and the certificate meanwhile.
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +21,6 @@ pub mod tls;
 
 pub use dispatch::{DispatchError, Dispatcher, ModelInfo, WorkerState};
 pub use error::{ApiError, IngressError};
-pub use keys::{ApiKeys, Grant};
+pub use keys::{Access, ApiKeys, Grant, Limits};
 pub use server::{IngressConfig, Reloaded, Server, ServerHandle, ShutdownReport};
 pub use tls::Tls;

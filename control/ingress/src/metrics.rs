@@ -3,7 +3,8 @@
 //! total queue depth, running requests, KV usage and prefix-cache hit rate, read from the
 //! workers at scrape time; each worker's role (`kvx_worker_role`) and the load of each role
 //! of disaggregated serving (`kvx_role_*`); the KV tiers of each worker (`kvx_worker_kv_*`,
-//! [`crate::tier_metrics`]).
+//! [`crate::tier_metrics`]); requests refused by their API key's limits, by limit
+//! (`kvx_rate_limited_total{reason}`, never naming a key).
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -32,6 +33,7 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<Labels2, Counter>,
     finished: Family<Labels1, Counter>,
+    rate_limited: Family<Labels1, Counter>,
     /// Time to first token.
     pub ttft: Histogram,
     /// Gap between consecutive tokens of a stream.
@@ -91,6 +93,15 @@ impl Metrics {
         r.register("requests", "Requests by endpoint and HTTP status", requests.clone());
         let finished = Family::<Labels1, Counter>::default();
         r.register("requests_finished", "Generations by finish reason", finished.clone());
+        let rate_limited = Family::<Labels1, Counter>::default();
+        r.register(
+            "rate_limited",
+            "Requests refused by their API key's limit, by limit (concurrency, rpm, tpm)",
+            rate_limited.clone(),
+        );
+        for reason in ["concurrency", "rpm", "tpm"] {
+            let _ = rate_limited.get_or_create(&[("reason", reason)]);
+        }
         let ttft = Histogram::new(exponential_buckets(0.0005, 2.0, 18));
         r.register("time_to_first_token_seconds", "Time to first token", ttft.clone());
         let itl = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
@@ -189,6 +200,7 @@ impl Metrics {
             registry: r,
             requests,
             finished,
+            rate_limited,
             ttft,
             itl,
             e2e,
@@ -211,6 +223,11 @@ impl Metrics {
     /// Counts a finished generation.
     pub fn finished(&self, reason: &'static str) {
         self.finished.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// Counts a request refused by its key's limit (`concurrency`, `rpm` or `tpm`).
+    pub fn rate_limited(&self, reason: &'static str) {
+        self.rate_limited.get_or_create(&[("reason", reason)]).inc();
     }
 
     /// Renders the text exposition, reading worker state and router counters first.
@@ -307,6 +324,7 @@ fn status_label(s: u16) -> &'static str {
         200 => "200",
         400 => "400",
         401 => "401",
+        403 => "403",
         404 => "404",
         405 => "405",
         413 => "413",
@@ -330,6 +348,7 @@ mod tests {
         m.request("chat", 200);
         m.request("chat", 429);
         m.ttft.observe(0.01);
+        m.rate_limited("rpm");
         let w = |id, active, prompt, cached| WorkerState {
             id,
             alive: true,
@@ -367,6 +386,8 @@ mod tests {
             "kvx_role_kv_blocks_active{role=\"decode\"} 4",
             "kvx_role_running_requests{role=\"prefill\"} 1",
             "kvx_time_to_first_token_seconds_count 1",
+            "kvx_rate_limited_total{reason=\"rpm\"} 1",
+            "kvx_rate_limited_total{reason=\"tpm\"} 0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

@@ -1,6 +1,8 @@
-//! The HTTP server: routes, authentication, body limits, admission, the request path from a
-//! JSON body to engine requests and back (whole responses or SSE streams), cancellation when a
-//! client goes away, graceful shutdown, and the handle that reloads keys and certificate.
+//! The HTTP server: routes, authentication (API keys for inference, admin keys for
+//! `/metrics`), body limits, admission (the server's bound, then the key's limits), the
+//! request path from a JSON body to engine requests and back (whole responses or SSE
+//! streams), cancellation when a client goes away, graceful shutdown, and the handle that
+//! reloads keys and certificate.
 
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -30,7 +32,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::dispatch::{Dispatcher, ModelInfo};
 use crate::error::{ApiError, IngressError};
-use crate::keys::{ApiKeys, Grant};
+use crate::keys::{Access, ApiKeys, Grant, KeyPermit};
 use crate::metrics::Metrics;
 use crate::openai::{ChatRequest, CompletionRequest, Params, parse};
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
@@ -41,7 +43,8 @@ use crate::tls::{Tls, TlsListener};
 pub struct IngressConfig {
     /// Where to listen (port 0 = any free port; see [`Server::local_addr`]).
     pub addr: SocketAddr,
-    /// Accepted API keys (`Authorization: Bearer KEY`); none = no authentication.
+    /// Accepted API keys (`Authorization: Bearer KEY`), with their limits, and the admin keys
+    /// `/metrics` asks for while one is in force; none = no authentication.
     pub keys: ApiKeys,
     /// Serve HTTPS with this certificate (plain HTTP without).
     pub tls: Option<Tls>,
@@ -319,7 +322,10 @@ async fn ready(State(s): State<Arc<Shared>>) -> Response {
     }
 }
 
-async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize_admin(&s, &headers) {
+        return e.into_response();
+    }
     let text = s.metrics.render(&s.dispatcher.workers(), &s.dispatcher.router_metrics());
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(
@@ -332,7 +338,9 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
 async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     match authorize(&s, &headers) {
         Err(e) => e.into_response(),
-        Ok(g) if g.allows(&s.model.name) => json_response(StatusCode::OK, s.models_json.clone()),
+        Ok(a) if a.grant.allows(&s.model.name) => {
+            json_response(StatusCode::OK, s.models_json.clone())
+        }
         Ok(_) => json_response(StatusCode::OK, "{\"object\":\"list\",\"data\":[]}"),
     }
 }
@@ -344,7 +352,7 @@ async fn model(
 ) -> Response {
     match authorize(&s, &headers) {
         Err(e) => return e.into_response(),
-        Ok(g) if id != s.model.name || !g.allows(&id) => {
+        Ok(a) if id != s.model.name || !a.grant.allows(&id) => {
             return ApiError::model_not_found(&id).into_response();
         }
         Ok(_) => {}
@@ -360,19 +368,42 @@ async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Bod
     generate(s, Api::Completions, headers, body).await
 }
 
-/// What the request's key may use (everything without keys).
-fn authorize(s: &Shared, headers: &HeaderMap) -> Result<Grant, ApiError> {
+/// The key of `Authorization: Bearer KEY` (or of a bare `Authorization: KEY`).
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let v = headers.get(header::AUTHORIZATION)?.as_bytes();
+    Some(if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") { &v[7..] } else { v })
+}
+
+/// What the request's key may do (everything, with no limit, without keys).
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<Access, ApiError> {
     if !s.cfg.keys.required() {
-        return Ok(Grant::All);
+        return Ok(Access::open());
     }
-    let Some(v) = headers.get(header::AUTHORIZATION) else {
+    let Some(key) = bearer(headers) else {
         return Err(ApiError::unauthorized(
             "missing API key: send it as `Authorization: Bearer KEY`",
         ));
     };
-    let v = v.as_bytes();
-    let key = if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") { &v[7..] } else { v };
     s.cfg.keys.check(key).ok_or_else(|| ApiError::unauthorized("incorrect API key"))
+}
+
+/// The admin endpoints (`/metrics`): while an admin key is in force, only an admin key
+/// (401 without an accepted key, 403 with a key that is not an admin key); otherwise open.
+fn authorize_admin(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let keys = &s.cfg.keys;
+    if !keys.admin_required() {
+        return Ok(());
+    }
+    let Some(key) = bearer(headers) else {
+        return Err(ApiError::unauthorized(
+            "missing admin key: send it as `Authorization: Bearer KEY`",
+        ));
+    };
+    match keys.check(key) {
+        None => Err(ApiError::unauthorized("incorrect API key")),
+        Some(a) if !a.admin => Err(ApiError::forbidden("this endpoint needs an admin key")),
+        Some(_) => Ok(()),
+    }
 }
 
 async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
@@ -435,11 +466,13 @@ fn check_model(s: &Shared, model: Option<&str>, grant: &Grant) -> Result<(), Api
     }
 }
 
-/// One request's place in ingress: counts it in flight and, if dropped before the response
-/// ended (the client went away), cancels its engine requests.
+/// One request's place in ingress: counts it in flight (and, once admitted by its key's
+/// limits, running for its key, until it ends) and, if dropped before the response ended
+/// (the client went away), cancels its engine requests.
 struct Guard {
     shared: Arc<Shared>,
     ids: Vec<RequestId>,
+    key: Option<KeyPermit>,
     done: bool,
 }
 
@@ -449,7 +482,7 @@ impl Guard {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
         let n = shared.inflight.fetch_add(1, Ordering::SeqCst);
-        let g = Guard { shared: shared.clone(), ids: Vec::new(), done: false };
+        let g = Guard { shared: shared.clone(), ids: Vec::new(), key: None, done: false };
         shared.metrics.inflight.inc();
         if n >= shared.cfg.max_inflight {
             return Err(ApiError::overloaded(format!(
@@ -468,9 +501,32 @@ impl Guard {
         Ok(rx)
     }
 
-    /// The response ended (or failed) on the server's side: nothing to cancel.
+    /// Admits the request by its key's limits (prompt tokens counted now).
+    fn admit_key(&mut self, access: &Access, prompt_tokens: u64) -> Result<(), ApiError> {
+        match access.admit(prompt_tokens, Instant::now()) {
+            Ok(p) => {
+                self.key = Some(p);
+                Ok(())
+            }
+            Err(r) => {
+                self.shared.metrics.rate_limited(r.limit.as_str());
+                Err(ApiError::rate_limited(r.message(), r.retry_after_secs()))
+            }
+        }
+    }
+
+    /// `n` completion tokens produced (counted against the key's tokens per minute).
+    fn produced(&self, n: usize) {
+        if let Some(k) = &self.key {
+            k.produced(n as u64, Instant::now());
+        }
+    }
+
+    /// The response ended (or failed) on the server's side: nothing to cancel, and the
+    /// request no longer runs for its key.
     fn finish(&mut self) {
         self.done = true;
+        self.key = None;
     }
 }
 
@@ -516,21 +572,24 @@ async fn start(
     body: Body,
     arrival: Instant,
 ) -> Result<Response, ApiError> {
-    let grant = authorize(s, headers)?;
+    let access = authorize(s, headers)?;
     let body = read_body(s, headers, body).await?;
     let prep = if body.len() >= BLOCKING_PREPROCESS_BYTES {
         let sh = s.clone();
+        let grant = access.grant.clone();
         tokio::task::spawn_blocking(move || prepare(&sh, api, &body, &grant))
             .await
             .map_err(|e| ApiError::internal(format!("preprocessing: {e}")))??
     } else {
-        prepare(s, api, &body, &grant)?
+        prepare(s, api, &body, &access.grant)?
     };
     let mut guard = Guard::admit(s)?;
     if !s.dispatcher.ready() {
         guard.finish();
         return Err(ApiError::unavailable("no worker is ready"));
     }
+    let prompt_tokens: usize = prep.prompts.iter().map(Vec::len).sum();
+    guard.admit_key(&access, prompt_tokens as u64)?;
     let mut reqs = Vec::with_capacity(prep.prompts.len());
     for p in prep.prompts {
         let id = RequestId(s.next_id.fetch_add(1, Ordering::Relaxed));
@@ -607,6 +666,7 @@ async fn start(
             match msg {
                 Some(Output::Delta(d)) => {
                     ctx.on_tokens(sub, d.tokens.len());
+                    guard.produced(d.tokens.len());
                     text.push_str(&d.text);
                     ctx.add_logprobs(&mut lp, &d.tokens, &d.logprobs);
                 }
@@ -723,6 +783,7 @@ impl SseBody {
         match out {
             Output::Delta(d) => {
                 self.ctx.on_tokens(sub, d.tokens.len());
+                self.guard.produced(d.tokens.len());
                 let lp = if self.ctx.logprobs.is_some() {
                     let mut acc = LogprobAcc::default();
                     self.ctx.add_logprobs(&mut acc, &d.tokens, &d.logprobs);

@@ -1,5 +1,6 @@
 //! HTTP flags shared by the commands that serve the OpenAI API (`serve`, `frontend`), the one
-//! place that turns them into an [`IngressConfig`] (reading the TLS and API key files) and the
+//! place that turns them into an [`IngressConfig`] (reading the TLS and API key files, with the
+//! admin keys) and the
 //! HTTP runtime, and the helpers every serving command uses (the served model name, the
 //! shutdown signal, reloading on SIGHUP).
 
@@ -31,10 +32,23 @@ pub(crate) struct HttpOpts {
     #[arg(long = "api-key", env = "KVX_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub(crate) api_keys: Vec<String>,
     /// Also accepted: the keys in FILE, one a line, each optionally followed by the models it
-    /// may use (comma-separated; other models answer 404); `#` starts a comment. Re-read on
-    /// SIGHUP. With a file, a key is always asked for.
+    /// may use (comma-separated, `*` for all; other models answer 404) and by fields:
+    /// `concurrency=N` (requests at once), `rpm=N` (requests a minute), `tpm=N` (tokens a
+    /// minute), all answering 429 with Retry-After above, and `admin` (may read /metrics);
+    /// `#` starts a comment. Re-read on SIGHUP. With a file, a key is always asked for.
     #[arg(long, env = "KVX_API_KEYS_FILE", value_name = "FILE")]
     pub(crate) api_keys_file: Option<PathBuf>,
+    /// Admin key (repeatable; `KVX_ADMIN_KEY` takes a comma-separated list): while one is set
+    /// (here or as an `admin` line of the keys file), /metrics answers only admin keys (401
+    /// without a key, 403 with another); otherwise it is open. An admin key given here does
+    /// not grant inference. /health, /live and /ready stay open.
+    #[arg(
+        long = "admin-key",
+        env = "KVX_ADMIN_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub(crate) admin_keys: Vec<String>,
     /// Serve HTTPS with this certificate chain (PEM, leaf first; needs --tls-key). Re-read
     /// with the key on SIGHUP: new connections get the new certificate.
     #[arg(long, env = "KVX_TLS_CERT", value_name = "PEM", requires = "tls_key")]
@@ -69,7 +83,7 @@ impl HttpOpts {
         };
         Ok(IngressConfig {
             addr: SocketAddr::new(self.host, self.port),
-            keys: ApiKeys::new(&self.api_keys, self.api_keys_file.as_deref())?,
+            keys: ApiKeys::new(&self.api_keys, &self.admin_keys, self.api_keys_file.as_deref())?,
             tls,
             max_body_bytes: self.max_body_bytes,
             shutdown_grace: Duration::from_secs_f64(self.shutdown_grace),
