@@ -2,7 +2,7 @@
 //! template, a timing model instead of kernels): response shapes, streaming, errors with their
 //! statuses, authentication, usage under 64 concurrent streams, and SIGTERM.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -232,23 +232,7 @@ fn api_keys_are_required_when_configured() {
 
 /// Opens a streaming request and returns the socket after `n` SSE events arrived.
 fn open_stream(addr: &str, body: &Value, n: usize) -> (TcpStream, String) {
-    let mut sock = TcpStream::connect(addr).expect("connect");
-    sock.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
-    let b = body.to_string();
-    write!(
-        sock,
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-        b.len()
-    )
-    .expect("write");
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    while String::from_utf8_lossy(&got).matches("data: ").count() < n {
-        let k = sock.read(&mut buf).expect("read");
-        assert!(k > 0, "stream ended early: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&buf[..k]);
-    }
-    (sock, String::from_utf8_lossy(&got).into_owned())
+    kvx_e2e::serve::open_stream(addr, "/v1/completions", &[], body, n)
 }
 
 fn wait_for(s: &Served, series: &str, want: f64, timeout: Duration) -> Option<f64> {
