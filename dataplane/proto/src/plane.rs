@@ -79,8 +79,9 @@ impl WorkerRole {
     }
 }
 
-/// Where a worker's KV blocks can be written by a peer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Where a worker's KV blocks can be written by a peer. Its `Debug` leaves out the agent
+/// metadata, which holds the agent's key.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvPeer {
     /// The transfer agent's metadata (kvx-xfer `AgentMetadata`, encoded; empty for mock
     /// engines, whose transfers are modelled).
@@ -93,6 +94,18 @@ pub struct KvPeer {
     pub v_offset: u64,
     /// Bytes of one block's keys (and of its values).
     pub block_bytes: u64,
+}
+
+impl std::fmt::Debug for KvPeer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPeer")
+            .field("agent", &format_args!("<{} bytes>", self.agent.len()))
+            .field("region", &self.region)
+            .field("k_offset", &self.k_offset)
+            .field("v_offset", &self.v_offset)
+            .field("block_bytes", &self.block_bytes)
+            .finish()
+    }
 }
 
 /// The KV peers of decode workers, for a prefill worker.

@@ -199,8 +199,8 @@ impl ClusterAuth {
 }
 
 /// Remembers the addresses whose connections were refused, so that each is logged once (a
-/// peer retrying every 100 ms must not flood the log). Bounded: past [`RefusalLog::MAX`]
-/// addresses nothing more is remembered or logged.
+/// peer retrying every 100 ms must not flood the log). Bounded: at most
+/// [`RefusalLog::MAX`] addresses are remembered.
 #[derive(Debug, Default)]
 pub struct RefusalLog {
     seen: Mutex<HashSet<IpAddr>>,
@@ -210,10 +210,15 @@ impl RefusalLog {
     /// Addresses remembered at most.
     pub const MAX: usize = 4096;
 
-    /// True the first time `ip` is refused (log it then).
+    /// True the first time `ip` is refused (log it then). When [`RefusalLog::MAX`]
+    /// addresses are remembered the memory starts over, so that many addresses cannot
+    /// silence the log for good.
     pub fn first(&self, ip: IpAddr) -> bool {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.len() < Self::MAX && seen.insert(ip)
+        if seen.len() >= Self::MAX && !seen.contains(&ip) {
+            seen.clear();
+        }
+        seen.insert(ip)
     }
 }
 

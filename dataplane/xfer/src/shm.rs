@@ -322,6 +322,9 @@ struct Accepted {
     blocked: Option<NotifBuf>,
     /// The connection failed and is dropped after this poll round.
     dead: bool,
+    /// When it was accepted: one that has not authenticated within the connect timeout is
+    /// closed (so that idle strangers cannot hold the connection slots).
+    since: std::time::Instant,
 }
 
 /// Start the control thread: accepts same-host peers, serves Hello/GetFds, receives
@@ -379,6 +382,9 @@ fn control_loop(sh: &Shared, listener: &UnixListener) {
             if pfds[2 + i].revents != 0 && serve_frame(sh, c).is_err() {
                 c.dead = true;
             }
+            if !c.hs.is_open() && c.since.elapsed() > sh.cfg.connect_timeout {
+                c.dead = true;
+            }
         }
         conns.retain(|c| !c.dead);
         let hung = |k: usize| {
@@ -407,6 +413,7 @@ fn control_loop(sh: &Shared, listener: &UnixListener) {
                     hs: Handshake::Fresh,
                     blocked: None,
                     dead: false,
+                    since: std::time::Instant::now(),
                 });
             }
         }
