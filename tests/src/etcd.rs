@@ -159,7 +159,7 @@ impl Drop for EtcdServer {
 }
 
 /// Base64 (standard, padded), as etcd's gateway has keys.
-fn b64(b: &[u8]) -> String {
+pub fn b64(b: &[u8]) -> String {
     const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut s = String::new();
     for c in b.chunks(3) {

@@ -185,33 +185,10 @@ fn a_drained_worker_finishes_its_streams_and_gets_nothing_new() {
 
 /// Whether `key` exists in the etcd at `url` (through its HTTP gateway).
 fn key_exists(url: &str, key: &str) -> bool {
-    use base64_lite::encode;
-    let body = json!({ "key": encode(key.as_bytes()) }).to_string();
+    let body = json!({ "key": kvx_e2e::etcd::b64(key.as_bytes()) }).to_string();
     let addr = url.trim_start_matches("http://");
     let r = http(addr, "POST", "/v3/kv/range", &[], Some(body.as_bytes()));
     r.json()["count"].as_str().is_some_and(|c| c != "0")
-}
-
-/// Base64 for the test's one etcd call.
-mod base64_lite {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-    pub fn encode(b: &[u8]) -> String {
-        let mut s = String::new();
-        for c in b.chunks(3) {
-            let n = (u32::from(c[0]) << 16)
-                | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
-                | u32::from(*c.get(2).unwrap_or(&0));
-            for i in 0..4 {
-                if i <= c.len() {
-                    s.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-                } else {
-                    s.push('=');
-                }
-            }
-        }
-        s
-    }
 }
 
 /// Two frontends over the same 4 mock workers, half of a shared-prefix workload's clients

@@ -380,6 +380,29 @@ impl Etcd {
         self.call("/v3/kv/range", body).await.map(|_| ())
     }
 
+    /// [`Etcd::check`] for `cfg`, from synchronous code (inside a runtime or not: it runs
+    /// on a thread of its own), before anything starts. `Ok(None)`: etcd accepts the
+    /// credentials; `Ok(Some(e))`: etcd does not answer yet, a transient error that
+    /// discovery's own retries will outlast; `Err`: etcd refuses them (or the settings are
+    /// wrong), which trying again will not mend.
+    pub fn check_at_start(cfg: &EtcdConfig) -> Result<Option<DiscoveryError>, DiscoveryError> {
+        let cfg = cfg.clone();
+        let verdict = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| DiscoveryError::Protocol(format!("starting a runtime: {e}")))?;
+            rt.block_on(async { Etcd::from_config(&cfg)?.check(&cfg.workers_prefix()).await })
+        })
+        .join()
+        .map_err(|_| DiscoveryError::Protocol("the etcd check panicked".into()))?;
+        match verdict {
+            Ok(()) => Ok(None),
+            Err(e) if e.is_transient() => Ok(Some(e)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// A lease of `ttl` seconds; its id.
     pub async fn grant(&self, ttl: u64) -> Result<i64, DiscoveryError> {
         let v = self.call("/v3/lease/grant", json!({ "TTL": ttl })).await?;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use kvx_discovery::{Etcd, EtcdConfig, EtcdCredentials, WorkerRecord};
 use kvx_worker::Hosted;
@@ -107,30 +107,14 @@ impl DiscoveryOpts {
     }
 }
 
-/// Checks before anything starts that etcd accepts the credentials: a wrong password, a CA
-/// that did not sign etcd's certificate or a client certificate etcd refuses is an error
-/// now. An etcd that does not answer yet is not: discovery keeps trying, as it does when
-/// etcd goes away later.
+/// A wrong password, a CA that did not sign etcd's certificate or a client certificate etcd
+/// refuses stops the process now; an etcd that does not answer yet does not (discovery keeps
+/// trying, as it does when etcd goes away later).
 fn check(cfg: &EtcdConfig) -> Result<()> {
-    let cfg = cfg.clone();
-    // On a thread of its own: the callers may already run inside a runtime.
-    let verdict = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(async {
-            let etcd = Etcd::from_config(&cfg)?;
-            anyhow::Ok(etcd.check(&cfg.workers_prefix()).await)
-        })
-    })
-    .join()
-    .map_err(|_| anyhow!("checking etcd failed"))??;
-    match verdict {
-        Ok(()) => Ok(()),
-        Err(e) if e.is_transient() => {
-            eprintln!("kvx: etcd does not answer yet ({e}); starting, and still trying");
-            Ok(())
-        }
-        Err(e) => Err(anyhow!(e).context("etcd discovery")),
+    if let Some(e) = Etcd::check_at_start(cfg).context("etcd discovery")? {
+        eprintln!("kvx: etcd does not answer yet ({e}); starting, and still trying");
     }
+    Ok(())
 }
 
 /// The records of a worker process's engines, served at `endpoint`.
