@@ -1,6 +1,6 @@
 //! kvx-ingress: the OpenAI-compatible HTTP/SSE front door — preprocessing (chat templates,
-//! tokenization), admission, auth, streaming, metrics, and the only place that renders
-//! errors as HTTP statuses.
+//! tokenization), admission, auth, streaming, metrics, the live status page, and the only
+//! place that renders errors as HTTP statuses.
 //!
 //! [`Server::bind`] takes an [`IngressConfig`] (with the API keys and the TLS certificate
 //! already read), the served [`ModelInfo`] and a [`Dispatcher`] (the serving side);
@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod openai;
 pub mod render;
 pub mod server;
+pub mod status;
 mod tier_metrics;
 pub mod tls;
 

@@ -13,7 +13,7 @@ use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use kvx_proto::plane::WorkerRole;
@@ -91,6 +91,13 @@ impl Metrics {
         let mut r = Registry::with_prefix("kvx");
         let requests = Family::<Labels2, Counter>::default();
         r.register("requests", "Requests by endpoint and HTTP status", requests.clone());
+        // Every series a dashboard or alert rates exists from the start, at 0: `rate()` sees
+        // the first error instead of a series that appears already at 1.
+        for endpoint in ["chat", "completions"] {
+            for status in ["200", "400", "404", "429", "500", "503"] {
+                let _ = requests.get_or_create(&[("endpoint", endpoint), ("status", status)]);
+            }
+        }
         let finished = Family::<Labels1, Counter>::default();
         r.register("requests_finished", "Generations by finish reason", finished.clone());
         let rate_limited = Family::<Labels1, Counter>::default();
@@ -102,11 +109,13 @@ impl Metrics {
         for reason in ["concurrency", "rpm", "tpm"] {
             let _ = rate_limited.get_or_create(&[("reason", reason)]);
         }
-        let ttft = Histogram::new(exponential_buckets(0.0005, 2.0, 18));
+        // Eight buckets an octave (9% wide) for the latencies users set targets on, so that
+        // `histogram_quantile` lands within 9% of the true quantile wherever it falls.
+        let ttft = Histogram::new(fine_buckets(0.001, 16, 8));
         r.register("time_to_first_token_seconds", "Time to first token", ttft.clone());
-        let itl = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        let itl = Histogram::new(fine_buckets(0.0001, 16, 8));
         r.register("inter_token_latency_seconds", "Time between streamed tokens", itl.clone());
-        let e2e = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let e2e = Histogram::new(fine_buckets(0.001, 18, 4));
         r.register("request_duration_seconds", "End-to-end request latency", e2e.clone());
         let input_tokens = Counter::default();
         r.register("input_tokens", "Prompt tokens of finished requests", input_tokens.clone());
@@ -312,7 +321,14 @@ impl Metrics {
                 .chars()
                 .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
                 .collect();
-            out.push_str(&format!("# TYPE kvx_router_{name} gauge\nkvx_router_{name} {v}\n"));
+            // Names ending in `_total` only ever grow: typed counters so that `rate()` is right.
+            match name.strip_suffix("_total") {
+                Some(stem) => out.push_str(&format!(
+                    "# TYPE kvx_router_{stem} counter\nkvx_router_{stem}_total {v}\n"
+                )),
+                None => out
+                    .push_str(&format!("# TYPE kvx_router_{name} gauge\nkvx_router_{name} {v}\n")),
+            }
         }
         let _ = encode_eof(&mut out);
         out
@@ -336,11 +352,31 @@ fn status_label(s: u16) -> &'static str {
     }
 }
 
+/// Bucket bounds from `start` seconds over `octaves` doublings, `per_octave` to each, rounded
+/// to three significant digits (readable `le` labels; still strictly increasing).
+fn fine_buckets(start: f64, octaves: u32, per_octave: u32) -> impl Iterator<Item = f64> {
+    (0..=octaves * per_octave).map(move |i| {
+        let v = start * 2f64.powf(f64::from(i) / f64::from(per_octave));
+        let scale = 10f64.powi(2 - v.log10().floor() as i32);
+        (v * scale).round() / scale
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use kvx_proto::{LoadReport, WorkerMetrics};
 
     use super::*;
+
+    #[test]
+    fn latency_buckets_are_fine_and_increasing() {
+        let b: Vec<f64> = fine_buckets(0.001, 16, 8).collect();
+        assert_eq!(b.len(), 129);
+        assert_eq!((b[0], b[8], b[128]), (0.001, 0.002, 65.5));
+        for w in b.windows(2) {
+            assert!(w[1] > w[0] && w[1] / w[0] < 1.1, "{w:?}");
+        }
+    }
 
     #[test]
     fn exposition_has_per_worker_and_total_series() {
@@ -368,7 +404,10 @@ mod tests {
                 ..Default::default()
             },
         };
-        let text = m.render(&[w(0, 2, 100, 50), w(1, 4, 100, 0)], &[("decisions", 3.0)]);
+        let text = m.render(
+            &[w(0, 2, 100, 50), w(1, 4, 100, 0)],
+            &[("decisions", 3.0), ("kv_transfers_total", 2.0)],
+        );
         for line in [
             "kvx_requests_total{endpoint=\"chat\",status=\"200\"} 1",
             "kvx_requests_total{endpoint=\"chat\",status=\"429\"} 1",
@@ -382,6 +421,8 @@ mod tests {
             "kvx_worker_requests_finished_total{worker=\"1\"} 8",
             "kvx_worker_steps_total{worker=\"0\"} 0",
             "kvx_router_decisions 3",
+            "# TYPE kvx_router_kv_transfers counter",
+            "kvx_router_kv_transfers_total 2",
             "kvx_worker_role{worker=\"0\",role=\"prefill\"} 1",
             "kvx_role_kv_blocks_active{role=\"decode\"} 4",
             "kvx_role_running_requests{role=\"prefill\"} 1",

@@ -1,8 +1,8 @@
 //! The HTTP server: routes, authentication (API keys for inference, admin keys for
-//! `/metrics`), body limits, admission (the server's bound, then the key's limits), the
-//! request path from a JSON body to engine requests and back (whole responses or SSE
-//! streams), cancellation when a client goes away, graceful shutdown, and the handle that
-//! reloads keys and certificate.
+//! `/metrics` and `/status.json`), the status page at `/`, body limits, admission (the
+//! server's bound, then the key's limits), the request path from a JSON body to engine
+//! requests and back (whole responses or SSE streams), cancellation when a client goes away,
+//! graceful shutdown, and the handle that reloads keys and certificate.
 
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -36,6 +36,7 @@ use crate::keys::{Access, ApiKeys, Grant, KeyPermit};
 use crate::metrics::Metrics;
 use crate::openai::{ChatRequest, CompletionRequest, Params, parse};
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
+use crate::status::{self, Live};
 use crate::tls::{Tls, TlsListener};
 
 /// Server settings.
@@ -79,6 +80,7 @@ struct Shared {
     model: ModelInfo,
     dispatcher: Arc<dyn Dispatcher>,
     metrics: Metrics,
+    live: Live,
     next_id: AtomicU64,
     inflight: AtomicUsize,
     active: Mutex<HashSet<RequestId>>,
@@ -138,6 +140,7 @@ impl Server {
             model,
             dispatcher,
             metrics: Metrics::new(),
+            live: Live::new(),
             next_id: AtomicU64::new(base),
             inflight: AtomicUsize::new(0),
             active: Mutex::new(HashSet::new()),
@@ -287,6 +290,8 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/live", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .route("/", get(status_page))
+        .route("/status.json", get(status_json))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
@@ -333,6 +338,48 @@ async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
     );
     r
+}
+
+/// The status page: static (the data comes from `/status.json`), open, and allowed nothing
+/// but itself and same-origin fetches.
+async fn status_page() -> Response {
+    let mut r = Response::new(Body::from(status::PAGE));
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; \
+             frame-ancestors 'none'",
+        ),
+    );
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    r
+}
+
+/// The status page's data: the fleet, totals and the last minutes' latency (admin keys only
+/// while one is in force, as `/metrics`).
+async fn status_json(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize_admin(&s, &headers) {
+        return e.into_response();
+    }
+    let io = status::Counters {
+        input_tokens: s.metrics.input_tokens.get(),
+        output_tokens: s.metrics.output_tokens.get(),
+        inflight: s.metrics.inflight.get(),
+    };
+    let snap = s.live.snapshot(&s.model.name, &s.dispatcher.workers(), io);
+    match serde_json::to_vec(&snap) {
+        Ok(body) => {
+            let mut r = json_response(StatusCode::OK, body);
+            r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            r
+        }
+        Err(e) => ApiError::internal(format!("encoding the status: {e}")).into_response(),
+    }
 }
 
 async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
@@ -387,8 +434,9 @@ fn authorize(s: &Shared, headers: &HeaderMap) -> Result<Access, ApiError> {
     s.cfg.keys.check(key).ok_or_else(|| ApiError::unauthorized("incorrect API key"))
 }
 
-/// The admin endpoints (`/metrics`): while an admin key is in force, only an admin key
-/// (401 without an accepted key, 403 with a key that is not an admin key); otherwise open.
+/// The admin endpoints (`/metrics`, `/status.json`): while an admin key is in force, only an
+/// admin key (401 without an accepted key, 403 with a key that is not an admin key);
+/// otherwise open.
 fn authorize_admin(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     let keys = &s.cfg.keys;
     if !keys.admin_required() {
@@ -696,6 +744,7 @@ async fn start(
     guard.finish();
     s.metrics.e2e.observe(arrival.elapsed().as_secs_f64());
     s.metrics.request(api.label(), 200);
+    s.live.served();
     Ok(json_response(StatusCode::OK, response(api, &id, created, &s.model.name, choices, &total)))
 }
 
@@ -737,8 +786,16 @@ impl Ctx {
         let now = Instant::now();
         let m = &self.shared.metrics;
         match sub.last {
-            None => m.ttft.observe((now - self.arrival).as_secs_f64()),
-            Some(t) => m.itl.observe((now - t).as_secs_f64()),
+            None => {
+                let d = now - self.arrival;
+                m.ttft.observe(d.as_secs_f64());
+                self.shared.live.ttft(d, n);
+            }
+            Some(t) => {
+                let d = now - t;
+                m.itl.observe(d.as_secs_f64());
+                self.shared.live.itl(d, n);
+            }
         }
         sub.last = Some(now);
     }
@@ -854,6 +911,7 @@ impl http_body::Body for SseBody {
             let m = &this.ctx.shared.metrics;
             m.e2e.observe(this.ctx.arrival.elapsed().as_secs_f64());
             m.request(this.ctx.api.label(), 200);
+            this.ctx.shared.live.served();
         }
         if buf.is_empty() {
             if this.ended { Poll::Ready(None) } else { Poll::Pending }

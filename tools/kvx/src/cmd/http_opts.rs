@@ -39,9 +39,10 @@ pub(crate) struct HttpOpts {
     #[arg(long, env = "KVX_API_KEYS_FILE", value_name = "FILE")]
     pub(crate) api_keys_file: Option<PathBuf>,
     /// Admin key (repeatable; `KVX_ADMIN_KEY` takes a comma-separated list): while one is set
-    /// (here or as an `admin` line of the keys file), /metrics answers only admin keys (401
-    /// without a key, 403 with another); otherwise it is open. An admin key given here does
-    /// not grant inference. /health, /live and /ready stay open.
+    /// (here or as an `admin` line of the keys file), /metrics and /status.json answer only
+    /// admin keys (401 without a key, 403 with another); otherwise they are open. An admin key
+    /// given here does not grant inference. /health, /live, /ready and the status page's HTML
+    /// at / stay open.
     #[arg(
         long = "admin-key",
         env = "KVX_ADMIN_KEY",

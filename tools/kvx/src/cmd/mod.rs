@@ -15,6 +15,7 @@ mod bench_config;
 mod bench_engine;
 mod bench_xfer;
 mod cluster_opts;
+mod configure;
 mod discovery_opts;
 mod engine;
 mod frontend;
@@ -65,6 +66,8 @@ pub(crate) enum Command {
     Frontend(Box<frontend::FrontendArgs>),
     /// Engine shards (the model, or mock engines) serving a frontend.
     Worker(Box<worker::WorkerArgs>),
+    /// Write this host's deployment settings (`KVX_*`) for systemd or Helm.
+    Configure(configure::ConfigureArgs),
 }
 
 /// Settings every command shares, resolved once from the global flags.
@@ -111,6 +114,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::run(*a, &rt),
         Command::Frontend(a) => frontend::run(*a, &rt),
         Command::Worker(a) => worker::run(*a, &rt),
+        Command::Configure(a) => configure::run(a),
     }
 }
 
