@@ -104,6 +104,27 @@ if [ "$local_etcd" -eq 1 ]; then
 fi
 say "installed units in $unitdir"
 
+# Several workers on one host: each gets its own share of the cores (a worker pins shard i
+# to the i-th core it may run on, so two workers with the whole machine would share the
+# first cores and leave the rest idle). KVX_SHARDS in kvx.env is the share's size.
+n=0
+for r in $roles; do [ "$r" = none ] || n=$((n + 1)); done
+cores=$(nproc)
+if [ "$n" -gt 1 ] && [ "$cores" -ge "$n" ]; then
+    share=$((cores / n))
+    k=0
+    for r in $roles; do
+        [ "$r" = none ] && continue
+        d=$unitdir/kvx-worker@$r.service.d
+        install -d -m 0755 "$d"
+        printf '# Written by install.sh: this worker'"'"'s share of the %s cores.\n[Service]\nCPUAffinity=%s-%s\n' \
+            "$cores" "$((k * share))" "$((k * share + share - 1))" > "$d/cpus.conf"
+        chmod 0644 "$d/cpus.conf"
+        k=$((k + 1))
+    done
+    say "split $cores cores over $n workers ($share each)"
+fi
+
 # The user.
 install -d -m 0755 "$root/usr/lib/sysusers.d"
 install -m 0644 "$here/kvx.sysusers" "$root/usr/lib/sysusers.d/kvx.conf"
@@ -124,8 +145,6 @@ env_file=$root/etc/kvx/kvx.env
 if [ -e "$env_file" ] && [ "$force_env" -eq 0 ]; then
     say "kept $env_file (--force-env to rewrite it)"
 elif "$root$kvx" configure --help >/dev/null 2>&1; then
-    n=0
-    for r in $roles; do [ "$r" = none ] || n=$((n + 1)); done
     "$root$kvx" configure --layout host --workers "$((n > 0 ? n : 1))" --format env --out "$env_file"
     say "wrote $env_file with kvx configure"
 else

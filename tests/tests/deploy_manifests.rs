@@ -258,6 +258,35 @@ fn is_duration(s: &str) -> bool {
 }
 
 #[test]
+fn every_kvx_container_serves_the_model_the_values_name() {
+    let objs = objects(&helm_template(Some("ci/all-on-values.yaml")));
+    let mut seen = 0;
+    // The planner serves no model.
+    let serving = |o: &&Value| {
+        o["kind"] == "Deployment"
+            && !o["metadata"]["name"].as_str().is_some_and(|n| n.ends_with("planner"))
+    };
+    for o in objs.iter().filter(serving) {
+        for c in o["spec"]["template"]["spec"]["containers"].as_array().into_iter().flatten() {
+            if !c["image"].as_str().is_some_and(|i| i.contains("kvx")) {
+                continue;
+            }
+            let model =
+                c["env"].as_array().into_iter().flatten().find(|e| e["name"] == "KVX_MODEL");
+            assert_eq!(
+                model.map(|e| &e["value"]),
+                Some(&Value::from("smollm2-135m-instruct-q4_1")),
+                "{} container {} does not get KVX_MODEL",
+                o["metadata"]["name"],
+                c["name"]
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen >= 2, "only {seen} kvx containers checked (frontend and workers)");
+}
+
+#[test]
 fn monitors_match_the_operator_fields_and_select_the_frontend() {
     let objs = objects(&helm_template(Some("ci/all-on-values.yaml")));
     let find = |kind: &str| -> Vec<&Value> { objs.iter().filter(|o| o["kind"] == kind).collect() };
@@ -376,9 +405,28 @@ fn install_sh_stages_units_user_and_settings() {
     assert!(passwd.lines().any(|l| l.starts_with("kvx:")), "no kvx user:\n{passwd}");
     let env = fs::read_to_string(stage.join("etc/kvx/kvx.env")).expect("kvx.env");
     assert!(env.lines().any(|l| l.starts_with("KVX_")), "kvx.env has no KVX_ line:\n{env}");
+    let mut cpus = Vec::new();
     for r in ["prefill", "decode"] {
         let f = stage.join(format!("etc/kvx/worker-{r}.env"));
         assert!(f.is_file(), "no {}", f.display());
+        // Every worker has a way to its frontend (the shared file or its own).
+        let own = fs::read_to_string(&f).expect("worker env");
+        let joins = |t: &str| {
+            t.lines().any(|l| l.starts_with("KVX_FRONTEND=") || l == "KVX_DISCOVERY=etcd")
+        };
+        assert!(joins(&env) || joins(&own), "worker {r} cannot find its frontend:\n{env}\n{own}");
+        // Two workers on one host get disjoint cores (a worker pins shard i to its i-th core).
+        let d = etc.join(format!("kvx-worker@{r}.service.d/cpus.conf"));
+        if let Ok(c) = fs::read_to_string(&d) {
+            let range =
+                c.lines().find_map(|l| l.strip_prefix("CPUAffinity=")).expect("CPUAffinity");
+            cpus.push(range.to_string());
+        }
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores >= 2 {
+        assert_eq!(cpus.len(), 2, "no per-worker CPUAffinity drop-ins");
+        assert_ne!(cpus[0], cpus[1], "both workers pinned to {}", cpus[0]);
     }
 
     // A second run keeps the settings an operator edited.

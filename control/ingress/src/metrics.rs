@@ -244,6 +244,36 @@ impl Metrics {
         let _g = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
         let (mut run, mut wait, mut act, mut tot, mut up) = (0i64, 0i64, 0i64, 0i64, 0i64);
         let (mut prompt, mut cached) = (0u64, 0u64);
+        // Only the workers there now have series: one that left (a restart comes back under a
+        // new id) must not keep its last values, nor a `kvx_worker_up 0` that never clears.
+        for f in [
+            &self.worker_up,
+            &self.worker_running,
+            &self.worker_waiting,
+            &self.worker_kv_active,
+            &self.worker_kv_total,
+            &self.worker_prefill_queue,
+        ] {
+            f.clear();
+        }
+        self.worker_kv_usage.clear();
+        self.worker_hit_rate.clear();
+        for f in [
+            &self.worker_finished,
+            &self.worker_generated,
+            &self.worker_prefilled,
+            &self.worker_preemptions,
+            &self.worker_steps,
+        ] {
+            f.clear();
+        }
+        self.worker_role.clear();
+        self.tiers.clear();
+        for f in
+            [&self.role_running, &self.role_waiting, &self.role_kv_active, &self.role_prefill_queue]
+        {
+            f.clear();
+        }
         // Per role: running, waiting, active blocks, queued prompt tokens.
         let mut by_role = [[0i64; 4]; 3];
         for w in workers {
@@ -433,5 +463,10 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"));
+        // Worker 1 gone: its series go with it.
+        let text = m.render(&[w(0, 2, 100, 50)], &[]);
+        assert!(text.contains("kvx_worker_up{worker=\"0\"} 1"), "{text}");
+        assert!(!text.contains("worker=\"1\""), "{text}");
+        assert!(!text.contains("role=\"decode\""), "{text}");
     }
 }

@@ -88,6 +88,38 @@ pub struct Common {
     pub min_tokens: Option<u32>,
 }
 
+/// A `/tokenize` body (vLLM's shape): a `prompt`, or `messages` rendered by the chat template
+/// as `/v1/chat/completions` renders them.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    /// Model name.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// A text to tokenize.
+    #[serde(default)]
+    pub prompt: Option<String>,
+    /// A conversation to render and tokenize.
+    #[serde(default)]
+    pub messages: Option<Vec<ChatMessage>>,
+    /// Add the model's BOS/EOS as a prompt gets them (default true for `prompt`; for
+    /// `messages`, the template places them and this defaults to false).
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    /// Also return each token's text.
+    #[serde(default)]
+    pub return_token_strs: Option<bool>,
+}
+
+/// A `/detokenize` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    /// Model name.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Token ids.
+    pub tokens: Vec<TokenId>,
+}
+
 /// A `/v1/chat/completions` body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {

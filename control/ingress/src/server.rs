@@ -34,7 +34,9 @@ use crate::dispatch::{Dispatcher, ModelInfo};
 use crate::error::{ApiError, IngressError};
 use crate::keys::{Access, ApiKeys, Grant, KeyPermit};
 use crate::metrics::Metrics;
-use crate::openai::{ChatRequest, CompletionRequest, Params, parse};
+use crate::openai::{
+    ChatRequest, CompletionRequest, DetokenizeRequest, Params, TokenizeRequest, parse,
+};
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
 use crate::status::{self, Live};
 use crate::tls::{Tls, TlsListener};
@@ -286,6 +288,8 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/live", get(health))
         .route("/ready", get(ready))
@@ -413,6 +417,85 @@ async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> R
 
 async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
     generate(s, Api::Completions, headers, body).await
+}
+
+/// `POST /tokenize`: the token ids the engine would see for a prompt, or for messages through
+/// the chat template (`count`, `max_model_len`, `tokens`, and `token_strs` when asked).
+async fn tokenize(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    match tokenize_inner(&s, &headers, body).await {
+        Ok(v) => json_response(StatusCode::OK, v.to_string()),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn tokenize_inner(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<serde_json::Value, ApiError> {
+    let access = authorize(s, headers)?;
+    let body = read_body(s, headers, body).await?;
+    let r: TokenizeRequest = parse(&body)?;
+    check_model(s, r.model.as_deref(), &access.grant)?;
+    let tok = &s.model.tokenizer;
+    let bad = |e: kvx_tokenizer::TokenizerError, p| {
+        ApiError::bad_request(format!("tokenizing: {e}"), Some(p))
+    };
+    let tokens = match (&r.prompt, &r.messages) {
+        (Some(text), None) => {
+            if r.add_special_tokens.unwrap_or(true) {
+                tok.encode_prompt(text).map_err(|e| bad(e, "prompt"))?
+            } else {
+                tok.encode(text, true).map_err(|e| bad(e, "prompt"))?
+            }
+        }
+        (None, Some(_)) => {
+            // Rendered exactly as a chat completion renders the same messages.
+            let chat: ChatRequest = parse(&body)?;
+            let text = chat.render(tok)?;
+            if r.add_special_tokens.unwrap_or(false) {
+                tok.encode_prompt(&text).map_err(|e| bad(e, "messages"))?
+            } else {
+                tok.encode(&text, true).map_err(|e| bad(e, "messages"))?
+            }
+        }
+        _ => {
+            return Err(ApiError::bad_request("give exactly one of `prompt` and `messages`", None));
+        }
+    };
+    let mut v = serde_json::json!({
+        "count": tokens.len(),
+        "max_model_len": s.model.context_length,
+        "tokens": tokens,
+    });
+    if r.return_token_strs.unwrap_or(false) {
+        let strs: Vec<String> = tokens
+            .iter()
+            .map(|&t| String::from_utf8_lossy(tok.token_to_piece(t).unwrap_or(&[])).into_owned())
+            .collect();
+        v["token_strs"] = serde_json::json!(strs);
+    }
+    Ok(v)
+}
+
+/// `POST /detokenize`: the text of token ids (special tokens rendered), as `prompt`.
+async fn detokenize(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    let run = async {
+        let access = authorize(&s, &headers)?;
+        let body = read_body(&s, &headers, body).await?;
+        let r: DetokenizeRequest = parse(&body)?;
+        check_model(&s, r.model.as_deref(), &access.grant)?;
+        let text = s
+            .model
+            .tokenizer
+            .decode(&r.tokens, false)
+            .map_err(|e| ApiError::bad_request(format!("detokenizing: {e}"), Some("tokens")))?;
+        Ok::<_, ApiError>(serde_json::json!({ "prompt": text }))
+    };
+    match run.await {
+        Ok(v) => json_response(StatusCode::OK, v.to_string()),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// The key of `Authorization: Bearer KEY` (or of a bare `Authorization: KEY`).

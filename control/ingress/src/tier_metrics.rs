@@ -113,6 +113,23 @@ impl TierFamilies {
         }
     }
 
+    /// Drops every worker's series (before setting those of the workers there now).
+    pub(crate) fn clear(&self) {
+        for f in
+            [&self.offloaded, &self.onboarded, &self.hits, &self.offload_bytes, &self.onboard_bytes]
+        {
+            f.clear();
+        }
+        self.blocks.clear();
+        self.capacity.clear();
+        self.offload_seconds.clear();
+        self.onboard_seconds.clear();
+        for f in [&self.lookups, &self.skipped, &self.checksum_failures, &self.disk_errors] {
+            f.clear();
+        }
+        self.disk_stopped.clear();
+    }
+
     /// Sets worker `w`'s series from its counters (none for a worker without tiers).
     pub(crate) fn set(&self, w: WorkerId, t: &TierMetrics) {
         if t.host_capacity == 0 {

@@ -176,6 +176,19 @@ pub struct Settings {
     pub settings: Vec<Setting>,
 }
 
+/// Settings the Helm chart gives its pods itself.
+const CHART_SETS: &[&str] = &[
+    "KVX_HOME",
+    "KVX_HOST",
+    "KVX_PORT",
+    "KVX_KV_DISK",
+    "KVX_WORKER_LISTEN",
+    "KVX_FRONTEND",
+    "KVX_ROLE",
+    "KVX_DISCOVERY",
+    "KVX_ETCD_ENDPOINTS",
+];
+
 /// The worker plane of a one-host layout.
 const HOST_PLANE: &str = "127.0.0.1:7100";
 
@@ -305,11 +318,13 @@ impl Settings {
         out
     }
 
-    /// As the Helm chart's `config:` values (a map of `KVX_*` to strings).
+    /// As the Helm chart's `config:` values (a map of `KVX_*` to strings), without the
+    /// settings the chart itself sets (paths, addresses and ports of its pods): what is left
+    /// is sized for pods shaped like the host this ran on.
     pub fn to_helm(&self) -> String {
         let mut out = self.header();
-        out.push_str("config:\n");
-        for s in &self.settings {
+        out.push_str("# Sized for worker pods with this host's cores and memory.\nconfig:\n");
+        for s in self.settings.iter().filter(|s| !CHART_SETS.contains(&s.key)) {
             let _ = write!(out, "  # {}\n  {}: {}\n", s.why, s.key, yaml_quote(&s.value));
         }
         out
@@ -454,5 +469,6 @@ mod tests {
         let helm = s.to_helm();
         assert!(helm.contains("config:\n"));
         assert!(helm.contains("  KVX_SHARDS: \"2\"\n"), "{helm}");
+        assert!(!helm.contains("KVX_HOME") && !helm.contains("KVX_KV_DISK"), "{helm}");
     }
 }

@@ -135,6 +135,10 @@ app.kubernetes.io/component: {{ .component }}
   value: /tmp
 - name: PIP_NO_CACHE_DIR
   value: "1"
+{{- with .Values.modelStore.model }}
+- name: KVX_MODEL
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* The initContainer that pulls the model into the store. */}}
