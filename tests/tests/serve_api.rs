@@ -175,7 +175,7 @@ fn errors_have_their_statuses_and_openai_json() {
         400,
     );
     assert_error(&post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": -3}"), 400);
-    assert_error(&post("/v1/completions", "{\"prompt\": \"x\", \"n\": 2}"), 400);
+    assert_error(&post("/v1/completions", "{\"prompt\": \"x\", \"n\": 17}"), 400);
     assert_error(&post("/v1/completions", "{\"prompt\": \"x\", \"temperature\": -1}"), 400);
     assert_error(&post("/v1/completions", "{\"prompt\": []}"), 400);
     // Prompt + max_tokens beyond the context: both numbers in the message.

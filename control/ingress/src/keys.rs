@@ -397,14 +397,16 @@ impl Counters {
         self.limits = limits;
     }
 
-    fn admit(&mut self, prompt_tokens: u64, now: Instant) -> Result<(), Refusal> {
+    fn admit(&mut self, prompt_tokens: u64, requests: u32, now: Instant) -> Result<(), Refusal> {
         let mut refusal: Option<Refusal> = None;
         let mut refuse = |limit, value, wait: Duration| match &mut refusal {
             Some(r) => r.retry_after = r.retry_after.max(wait),
             None => refusal = Some(Refusal { limit, value, retry_after: wait }),
         };
+        // A request of several engine requests (`n` choices) counts each; one larger than the
+        // limit runs only alone.
         if let Some(n) = self.limits.concurrency
-            && self.running >= n
+            && (self.running >= n || (self.running > 0 && self.running + requests > n))
         {
             refuse(Limit::Concurrency, n, Duration::from_secs(1));
         }
@@ -423,7 +425,7 @@ impl Counters {
         if let Some(r) = refusal {
             return Err(r);
         }
-        self.running += 1;
+        self.running = self.running.saturating_add(requests);
         if let Some(b) = &mut self.rpm {
             b.take(1, now);
         }
@@ -475,9 +477,23 @@ impl Access {
     /// how long. Nothing is counted for a refused request. The permit counts the request as
     /// running until it is dropped.
     pub fn admit(&self, prompt_tokens: u64, now: Instant) -> Result<KeyPermit, Refusal> {
-        let Some(s) = &self.state else { return Ok(KeyPermit { state: None }) };
-        lock(s).admit(prompt_tokens, now)?;
-        Ok(KeyPermit { state: Some(s.clone()) })
+        self.admit_n(prompt_tokens, 1, now)
+    }
+
+    /// Like [`Access::admit`] for a request that runs as `requests` engine requests (`n`
+    /// choices of one prompt): it counts as that many running requests against
+    /// `concurrency` (one larger than the limit is admitted only when none of the key's
+    /// requests runs), one request against `rpm`, and its prompt once against `tpm`.
+    pub fn admit_n(
+        &self,
+        prompt_tokens: u64,
+        requests: u32,
+        now: Instant,
+    ) -> Result<KeyPermit, Refusal> {
+        let requests = requests.max(1);
+        let Some(s) = &self.state else { return Ok(KeyPermit { state: None, requests }) };
+        lock(s).admit(prompt_tokens, requests, now)?;
+        Ok(KeyPermit { state: Some(s.clone()), requests })
     }
 }
 
@@ -486,6 +502,8 @@ impl Access {
 #[derive(Debug, Default)]
 pub struct KeyPermit {
     state: Option<State>,
+    /// Running requests it counts for.
+    requests: u32,
 }
 
 impl KeyPermit {
@@ -506,7 +524,7 @@ impl Drop for KeyPermit {
     fn drop(&mut self) {
         if let Some(s) = &self.state {
             let mut c = lock(s);
-            c.running = c.running.saturating_sub(1);
+            c.running = c.running.saturating_sub(self.requests);
         }
     }
 }
@@ -896,6 +914,18 @@ mod tests {
         assert_eq!(c.running(), 1);
         let p3 = c.admit(10, t0).unwrap();
         drop((p2, p3));
+        assert_eq!(c.running(), 0);
+        // n choices count n: two fill the limit, one of three runs only alone.
+        let pn = c.admit_n(10, 2, t0).unwrap();
+        assert_eq!(c.running(), 2);
+        assert_eq!(c.admit(10, t0).unwrap_err().limit, Limit::Concurrency);
+        drop(pn);
+        let p1 = c.admit(10, t0).unwrap();
+        assert_eq!(c.admit_n(10, 3, t0).unwrap_err().limit, Limit::Concurrency);
+        drop(p1);
+        let big = c.admit_n(10, 3, t0).unwrap();
+        assert_eq!(c.running(), 3);
+        drop(big);
         assert_eq!(c.running(), 0);
 
         // rpm=2: a request every 30 s once the bucket is empty.

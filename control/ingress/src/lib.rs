@@ -11,6 +11,7 @@
 
 pub mod dispatch;
 pub mod error;
+pub mod fanout;
 pub mod keys;
 pub mod metrics;
 pub mod openai;
@@ -19,6 +20,7 @@ pub mod server;
 pub mod status;
 mod tier_metrics;
 pub mod tls;
+pub mod tools;
 
 pub use dispatch::{DispatchError, Dispatcher, ModelInfo, WorkerState};
 pub use error::{ApiError, IngressError};

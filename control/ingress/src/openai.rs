@@ -2,7 +2,7 @@
 //! and their translation into engine requests: validation, chat templating, tokenization and
 //! the context-length check. Unknown fields are ignored; a field of the wrong type is a 400.
 
-use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions, TokenId};
+use kvx_proto::{Constraint, GenerateRequest, RequestId, SamplingOptions, StopConditions, TokenId};
 use kvx_tokenizer::{ChatMessage, MessageContent, RenderOptions, Tokenizer};
 use serde::Deserialize;
 
@@ -14,6 +14,8 @@ pub const MAX_STOP_STRINGS: usize = 16;
 pub const MAX_PROMPTS: usize = 64;
 /// Alternatives per token (`top_logprobs`) at most.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// Choices per prompt (`n`) at most.
+pub const MAX_N: u32 = 16;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -86,6 +88,8 @@ pub struct Common {
     pub ignore_eos: bool,
     /// `min_tokens` (extension).
     pub min_tokens: Option<u32>,
+    /// The grammar of the output (`response_format`, `guided_*`).
+    pub constraint: Option<Constraint>,
 }
 
 /// A `/tokenize` body (vLLM's shape): a `prompt`, or `messages` rendered by the chat template
@@ -175,6 +179,18 @@ pub struct ChatRequest {
     /// Extra chat template variables (extension).
     #[serde(default)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// `response_format` (`text`, `json_object`, `json_schema`).
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    /// `guided_json` (vLLM extension): a JSON schema, as an object or a string.
+    #[serde(default)]
+    pub guided_json: Option<serde_json::Value>,
+    /// `guided_regex` (vLLM extension).
+    #[serde(default)]
+    pub guided_regex: Option<String>,
+    /// `guided_grammar` (vLLM extension): a Lark grammar.
+    #[serde(default)]
+    pub guided_grammar: Option<String>,
 }
 
 /// A `/v1/completions` body.
@@ -207,8 +223,9 @@ pub struct CompletionRequest {
     n: Option<u32>,
     #[serde(default)]
     best_of: Option<u32>,
+    /// Each choice's text starts with its prompt's text.
     #[serde(default)]
-    echo: Option<bool>,
+    pub echo: Option<bool>,
     #[serde(default)]
     stop: Option<StopSpec>,
     #[serde(default)]
@@ -228,6 +245,18 @@ pub struct CompletionRequest {
     #[serde(default)]
     #[allow(dead_code)]
     user: Option<String>,
+    /// `response_format` (`text`, `json_object`, `json_schema`).
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    /// `guided_json` (vLLM extension): a JSON schema, as an object or a string.
+    #[serde(default)]
+    pub guided_json: Option<serde_json::Value>,
+    /// `guided_regex` (vLLM extension).
+    #[serde(default)]
+    pub guided_regex: Option<String>,
+    /// `guided_grammar` (vLLM extension): a Lark grammar.
+    #[serde(default)]
+    pub guided_grammar: Option<String>,
 }
 
 macro_rules! common_fields {
@@ -255,6 +284,12 @@ macro_rules! common_fields {
             logprobs: $logprobs,
             ignore_eos: $r.ignore_eos.unwrap_or(false),
             min_tokens: $r.min_tokens,
+            constraint: constraint_of(
+                $r.response_format.as_ref(),
+                $r.guided_json.as_ref(),
+                $r.guided_regex.as_deref(),
+                $r.guided_grammar.as_deref(),
+            )?,
         }
     };
 }
@@ -310,11 +345,14 @@ impl ChatRequest {
 impl CompletionRequest {
     /// The shared fields.
     pub fn common(&self) -> Result<Common, ApiError> {
-        if self.echo.unwrap_or(false) {
-            return Err(ApiError::bad_request("echo is not supported", Some("echo")));
+        if self.echo.unwrap_or(false) && self.logprobs.is_some() {
+            return Err(ApiError::bad_request(
+                "echo with logprobs needs prompt log-probabilities, not supported yet",
+                Some("echo"),
+            ));
         }
-        if self.best_of.is_some_and(|b| b != 1) {
-            return Err(ApiError::bad_request("best_of must be 1", Some("best_of")));
+        if self.best_of.is_some_and(|b| b != 1 && Some(b) != self.n) {
+            return Err(ApiError::bad_request("best_of must be 1 or equal to n", Some("best_of")));
         }
         Ok(common_fields!(self, self.logprobs))
     }
@@ -366,6 +404,78 @@ fn check_count(n: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The output's grammar from `response_format` and vLLM's `guided_json`, `guided_regex` and
+/// `guided_grammar` (at most one of them; `response_format` of type `text` is none).
+fn constraint_of(
+    response_format: Option<&serde_json::Value>,
+    guided_json: Option<&serde_json::Value>,
+    guided_regex: Option<&str>,
+    guided_grammar: Option<&str>,
+) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: String, field: &'static str| ApiError::bad_request(m, Some(field));
+    let schema_text = |v: &serde_json::Value, field: &'static str| match v {
+        serde_json::Value::String(s) => Ok(s.clone()),
+        serde_json::Value::Object(_) | serde_json::Value::Bool(_) => Ok(v.to_string()),
+        _ => Err(bad(format!("{field} must be a JSON schema (an object)"), field)),
+    };
+    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    match response_format.filter(|v| !v.is_null()) {
+        None => {}
+        Some(serde_json::Value::Object(rf)) => match rf.get("type").and_then(|t| t.as_str()) {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format", Constraint::JsonObject)),
+            Some("json_schema") => {
+                let Some(schema) =
+                    rf.get("json_schema").and_then(|j| j.get("schema")).filter(|s| !s.is_null())
+                else {
+                    return Err(bad(
+                        "response_format.json_schema.schema is required for type json_schema"
+                            .into(),
+                        "response_format.json_schema",
+                    ));
+                };
+                let text = schema_text(schema, "response_format.json_schema.schema")?;
+                found.push(("response_format", Constraint::JsonSchema(text)));
+            }
+            Some(t) => {
+                return Err(bad(
+                    format!(
+                        "response_format.type {t:?} is not supported (text, json_object or \
+                         json_schema)"
+                    ),
+                    "response_format.type",
+                ));
+            }
+            None => {
+                return Err(bad(
+                    "response_format.type is required (text, json_object or json_schema)".into(),
+                    "response_format.type",
+                ));
+            }
+        },
+        Some(_) => {
+            return Err(bad("response_format must be an object".into(), "response_format"));
+        }
+    }
+    if let Some(v) = guided_json.filter(|v| !v.is_null()) {
+        found.push(("guided_json", Constraint::JsonSchema(schema_text(v, "guided_json")?)));
+    }
+    if let Some(r) = guided_regex {
+        found.push(("guided_regex", Constraint::Regex(r.to_owned())));
+    }
+    if let Some(g) = guided_grammar {
+        found.push(("guided_grammar", Constraint::Lark(g.to_owned())));
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(n, _)| *n).collect();
+        return Err(bad(
+            format!("only one output constraint per request ({} given)", names.join(", ")),
+            found[1].0,
+        ));
+    }
+    Ok(found.pop().map(|(_, c)| c))
+}
+
 /// Parses a JSON body into `T`, mapping syntax and type errors to a 400.
 pub fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
@@ -398,13 +508,20 @@ pub struct Params {
     pub stop: StopConditions,
     /// Alternatives per token wanted by the client (`None` = no logprobs).
     pub logprobs: Option<u32>,
+    /// The grammar of the output.
+    pub constraint: Option<Constraint>,
 }
 
 impl Common {
     /// Validates the fields and builds the engine's parameters.
     pub fn params(&self) -> Result<Params, ApiError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
+        if let Some(n) = self.n
+            && !(1..=MAX_N).contains(&n)
+        {
+            return Err(ApiError::bad_request(
+                format!("n must be between 1 and {MAX_N} (got {n})"),
+                Some("n"),
+            ));
         }
         range("temperature", self.temperature, 0.0, 100.0)?;
         range("top_p", self.top_p, f32::MIN_POSITIVE, 1.0)?;
@@ -467,6 +584,7 @@ impl Common {
                 ignore_eos: self.ignore_eos,
             },
             logprobs: self.logprobs,
+            constraint: self.constraint.clone(),
         })
     }
 }
@@ -520,6 +638,7 @@ impl Params {
             salt: None,
             kv: Default::default(),
             resume: Vec::new(),
+            constraint: self.constraint.clone(),
         })
     }
 }
@@ -573,8 +692,10 @@ mod tests {
     fn parameters_are_range_checked() {
         let base = Common::default();
         assert!(base.params().is_ok());
+        assert!(Common { n: Some(MAX_N), ..Default::default() }.params().is_ok());
         for c in [
-            Common { n: Some(2), ..Default::default() },
+            Common { n: Some(0), ..Default::default() },
+            Common { n: Some(MAX_N + 1), ..Default::default() },
             Common { temperature: Some(-1.0), ..Default::default() },
             Common { top_p: Some(0.0), ..Default::default() },
             Common { top_p: Some(f32::NAN), ..Default::default() },
@@ -614,5 +735,67 @@ mod tests {
         let req = r.common().unwrap().params().unwrap().request(RequestId(1), vec![1], 10).unwrap();
         assert_eq!(req.logprobs, Some(1));
         assert_eq!(p.logprobs, Some(3));
+    }
+
+    #[test]
+    fn echo_with_logprobs_is_refused_and_best_of_may_equal_n() {
+        let r: CompletionRequest = parse(br#"{"prompt":"a","echo":true,"logprobs":1}"#).unwrap();
+        assert!(r.common().unwrap_err().message.contains("echo with logprobs"));
+        let r: CompletionRequest = parse(br#"{"prompt":"a","echo":true,"max_tokens":0}"#).unwrap();
+        assert_eq!(r.common().unwrap().max_tokens, Some(0));
+        let r: CompletionRequest = parse(br#"{"prompt":"a","n":3,"best_of":3}"#).unwrap();
+        assert!(r.common().is_ok());
+        let r: CompletionRequest = parse(br#"{"prompt":"a","n":3,"best_of":4}"#).unwrap();
+        assert!(r.common().is_err());
+    }
+
+    #[test]
+    fn output_constraints_map_from_response_format_and_guided_fields() {
+        let c = |body: &str| -> Result<Option<Constraint>, u16> {
+            let r: ChatRequest = parse(body.as_bytes()).map_err(|e| e.status.as_u16())?;
+            r.common().map(|c| c.constraint).map_err(|e| e.status.as_u16())
+        };
+        let m = r#""messages":[{"role":"user","content":"hi"}]"#;
+        assert_eq!(c(&format!("{{{m}}}")), Ok(None));
+        assert_eq!(c(&format!(r#"{{{m},"response_format":{{"type":"text"}}}}"#)), Ok(None));
+        assert_eq!(
+            c(&format!(r#"{{{m},"response_format":{{"type":"json_object"}}}}"#)),
+            Ok(Some(Constraint::JsonObject))
+        );
+        let got = c(&format!(
+            r#"{{{m},"response_format":{{"type":"json_schema","json_schema":{{"name":"x",
+                "schema":{{"type":"integer"}},"strict":true}}}}}}"#
+        ));
+        assert_eq!(got, Ok(Some(Constraint::JsonSchema(r#"{"type":"integer"}"#.into()))));
+        assert_eq!(
+            c(&format!(r#"{{{m},"guided_json":"{{\"type\":\"string\"}}"}}"#)),
+            Ok(Some(Constraint::JsonSchema(r#"{"type":"string"}"#.into())))
+        );
+        assert_eq!(
+            c(&format!(r#"{{{m},"guided_regex":"\\d+"}}"#)),
+            Ok(Some(Constraint::Regex(r"\d+".into())))
+        );
+        assert_eq!(
+            c(&format!(r#"{{{m},"guided_grammar":"start: \"a\""}}"#)),
+            Ok(Some(Constraint::Lark(r#"start: "a""#.into())))
+        );
+        for bad in [
+            r#""response_format":{"type":"xml"}"#,
+            r#""response_format":{"type":"json_schema"}"#,
+            r#""response_format":"json""#,
+            r#""response_format":{}"#,
+            r#""guided_json":5"#,
+            r#""guided_regex":"a","guided_grammar":"start: \"a\"""#,
+        ] {
+            assert_eq!(c(&format!("{{{m},{bad}}}")), Err(400), "{bad}");
+        }
+        let r: ChatRequest =
+            parse(format!(r#"{{{m},"response_format":{{"type":"xml"}}}}"#).as_bytes()).unwrap();
+        let e = r.common().unwrap_err();
+        assert!(e.message.contains("response_format.type"), "{}", e.message);
+        // Completions take the same fields, and the request carries the grammar.
+        let r: CompletionRequest = parse(br#"{"prompt":"x","guided_regex":"[ab]"}"#).unwrap();
+        let req = r.common().unwrap().params().unwrap().request(RequestId(1), vec![1], 10).unwrap();
+        assert_eq!(req.constraint, Some(Constraint::Regex("[ab]".into())));
     }
 }

@@ -32,10 +32,11 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::dispatch::{Dispatcher, ModelInfo};
 use crate::error::{ApiError, IngressError};
+use crate::fanout::{self, UsageSum};
 use crate::keys::{Access, ApiKeys, Grant, KeyPermit};
 use crate::metrics::Metrics;
 use crate::openai::{
-    ChatRequest, CompletionRequest, DetokenizeRequest, Params, TokenizeRequest, parse,
+    ChatRequest, CompletionRequest, DetokenizeRequest, Params, PromptSpec, TokenizeRequest, parse,
 };
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
 use crate::status::{self, Live};
@@ -560,11 +561,18 @@ struct Prepared {
     prompts: Vec<Vec<TokenId>>,
     stream: bool,
     include_usage: bool,
+    /// Choices per prompt (`n`).
+    n: usize,
+    /// With `echo`, each prompt's text (a choice's text starts with it).
+    echo: Option<Vec<Arc<str>>>,
+    /// `echo` with `max_tokens: 0`: the prompts are the whole answer, no engine request.
+    echo_only: bool,
 }
 
 fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared, ApiError> {
     let tok = &s.model.tokenizer;
-    let (common, prompts) = match api {
+    let mut echo = None;
+    let (mut common, prompts) = match api {
         Api::Chat => {
             let r: ChatRequest = parse(body)?;
             let c = r.common()?;
@@ -579,11 +587,50 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
             let r: CompletionRequest = parse(body)?;
             let c = r.common()?;
             check_model(s, c.model.as_deref(), grant)?;
-            (c, r.prompts(tok)?)
+            let prompts = r.prompts(tok)?;
+            if r.echo.unwrap_or(false) {
+                echo = Some(echo_texts(&r.prompt, &prompts, tok)?);
+            }
+            (c, prompts)
         }
     };
+    // `echo` with `max_tokens: 0` (lm-eval's way to score a text) asks for nothing generated;
+    // the other fields are still checked.
+    let echo_only = echo.is_some() && common.max_tokens == Some(0);
+    if echo_only {
+        common.max_tokens = None;
+    }
     let params = common.params()?;
-    Ok(Prepared { params, prompts, stream: common.stream, include_usage: common.include_usage })
+    Ok(Prepared {
+        params,
+        prompts,
+        stream: common.stream,
+        include_usage: common.include_usage,
+        n: common.n.unwrap_or(1).max(1) as usize,
+        echo,
+        echo_only,
+    })
+}
+
+/// The text `echo` starts each choice with: a text prompt as given, token ids decoded (special
+/// tokens rendered).
+fn echo_texts(
+    spec: &PromptSpec,
+    prompts: &[Vec<TokenId>],
+    tok: &kvx_tokenizer::Tokenizer,
+) -> Result<Vec<Arc<str>>, ApiError> {
+    match spec {
+        PromptSpec::Text(t) => Ok(vec![Arc::from(t.as_str())]),
+        PromptSpec::Texts(v) => Ok(v.iter().map(|t| Arc::from(t.as_str())).collect()),
+        PromptSpec::Tokens(_) | PromptSpec::TokenLists(_) => prompts
+            .iter()
+            .map(|p| {
+                tok.decode(p, false).map(Arc::from).map_err(|e| {
+                    ApiError::bad_request(format!("decoding the prompt: {e}"), Some("prompt"))
+                })
+            })
+            .collect(),
+    }
 }
 
 /// The request's model must be the served one (no `model` means it), and the key may use it.
@@ -599,27 +646,31 @@ fn check_model(s: &Shared, model: Option<&str>, grant: &Grant) -> Result<(), Api
 
 /// One request's place in ingress: counts it in flight (and, once admitted by its key's
 /// limits, running for its key, until it ends) and, if dropped before the response ended
-/// (the client went away), cancels its engine requests.
+/// (the client went away), cancels its engine requests. A request of `n` choices counts `n`
+/// against the server's in-flight bound and its key's concurrency.
 struct Guard {
     shared: Arc<Shared>,
     ids: Vec<RequestId>,
     key: Option<KeyPermit>,
     done: bool,
+    /// What it counts in `Shared::inflight`.
+    weight: usize,
 }
 
 impl Guard {
-    fn admit(shared: &Arc<Shared>) -> Result<Guard, ApiError> {
+    /// Admits a request that counts `weight` (its choices per prompt) against the server's
+    /// bound; one larger than the bound runs only alone.
+    fn admit(shared: &Arc<Shared>, weight: usize) -> Result<Guard, ApiError> {
         if shared.draining.load(Ordering::Relaxed) {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
-        let n = shared.inflight.fetch_add(1, Ordering::SeqCst);
-        let g = Guard { shared: shared.clone(), ids: Vec::new(), key: None, done: false };
+        let weight = weight.max(1);
+        let n = shared.inflight.fetch_add(weight, Ordering::SeqCst);
+        let g = Guard { shared: shared.clone(), ids: Vec::new(), key: None, done: false, weight };
         shared.metrics.inflight.inc();
-        if n >= shared.cfg.max_inflight {
-            return Err(ApiError::overloaded(format!(
-                "too many requests in flight ({})",
-                shared.cfg.max_inflight
-            )));
+        let max = shared.cfg.max_inflight;
+        if n >= max || (n > 0 && n.saturating_add(weight) > max) {
+            return Err(ApiError::overloaded(format!("too many requests in flight ({max})")));
         }
         Ok(g)
     }
@@ -632,9 +683,16 @@ impl Guard {
         Ok(rx)
     }
 
-    /// Admits the request by its key's limits (prompt tokens counted now).
-    fn admit_key(&mut self, access: &Access, prompt_tokens: u64) -> Result<(), ApiError> {
-        match access.admit(prompt_tokens, Instant::now()) {
+    /// Admits the request by its key's limits (prompt tokens counted now, once; `requests`
+    /// engine requests counted as running).
+    fn admit_key(
+        &mut self,
+        access: &Access,
+        prompt_tokens: u64,
+        requests: usize,
+    ) -> Result<(), ApiError> {
+        let requests = u32::try_from(requests).unwrap_or(u32::MAX);
+        match access.admit_n(prompt_tokens, requests, Instant::now()) {
             Ok(p) => {
                 self.key = Some(p);
                 Ok(())
@@ -651,6 +709,20 @@ impl Guard {
         if let Some(k) = &self.key {
             k.produced(n as u64, Instant::now());
         }
+    }
+
+    /// Cancels every engine request it started (idempotent; those already ended ignore it).
+    fn cancel_all(&self) {
+        for &id in &self.ids {
+            self.shared.dispatcher.cancel(id);
+        }
+    }
+
+    /// The response failed on the server's side: the other engine requests are cancelled
+    /// (not a disconnect) and the request no longer runs for its key.
+    fn abort(&mut self) {
+        self.cancel_all();
+        self.finish();
     }
 
     /// The response ended (or failed) on the server's side: nothing to cancel, and the
@@ -679,7 +751,7 @@ impl Drop for Guard {
             }
         }
         s.metrics.inflight.dec();
-        if s.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if s.inflight.fetch_sub(self.weight, Ordering::SeqCst) == self.weight {
             s.idle.notify_waiters();
         }
     }
@@ -694,6 +766,25 @@ async fn generate(s: Arc<Shared>, api: Api, headers: HeaderMap, body: Body) -> R
             e.into_response()
         }
     }
+}
+
+fn sse_response(body: Body) -> Response {
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+fn response_id(api: Api, first: RequestId) -> String {
+    match api {
+        Api::Chat => format!("chatcmpl-{first}"),
+        Api::Completions => format!("cmpl-{first}"),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 async fn start(
@@ -714,80 +805,92 @@ async fn start(
     } else {
         prepare(s, api, &body, &access.grant)?
     };
-    let mut guard = Guard::admit(s)?;
+    let n = prep.n;
+    let mut guard = Guard::admit(s, n)?;
+    let prompt_tokens: usize = prep.prompts.iter().map(Vec::len).sum();
+    if prep.echo_only {
+        guard.admit_key(&access, prompt_tokens as u64, n)?;
+        return Ok(echo_only(s, api, guard, prep, arrival));
+    }
     if !s.dispatcher.ready() {
         guard.finish();
         return Err(ApiError::unavailable("no worker is ready"));
     }
-    let prompt_tokens: usize = prep.prompts.iter().map(Vec::len).sum();
-    guard.admit_key(&access, prompt_tokens as u64)?;
-    let mut reqs = Vec::with_capacity(prep.prompts.len());
-    for p in prep.prompts {
-        let id = RequestId(s.next_id.fetch_add(1, Ordering::Relaxed));
-        reqs.push(prep.params.request(id, p, s.model.context_length)?);
+    guard.admit_key(&access, prompt_tokens as u64, n)?;
+    let Prepared { params, prompts, stream, include_usage, echo, .. } = prep;
+    let random = RandomState::new().hash_one(s.next_id.load(Ordering::Relaxed));
+    let seeds = fanout::seeds(params.sampling.seed, n, random);
+    // One engine request per choice, in index order (prompt-major).
+    let mut reqs: Vec<Option<GenerateRequest>> = Vec::with_capacity(prompts.len() * n);
+    for mut p in prompts {
+        for (j, &seed) in seeds.iter().enumerate() {
+            let id = RequestId(s.next_id.fetch_add(1, Ordering::Relaxed));
+            let prompt = if j + 1 == n { std::mem::take(&mut p) } else { p.clone() };
+            let mut r = params.request(id, prompt, s.model.context_length)?;
+            r.sampling.seed = seed;
+            reqs.push(Some(r));
+        }
     }
-    let first_id = reqs.first().map_or(RequestId(0), |r| r.id);
-    let mut subs = Vec::with_capacity(reqs.len());
-    for r in reqs {
-        match guard.submit(r) {
-            Ok(rx) => subs.push(Sub::new(rx)),
-            Err(e) => {
-                // Cancel what was already submitted (not a disconnect).
-                for &id in &guard.ids {
-                    s.dispatcher.cancel(id);
+    let first_id = reqs.first().and_then(Option::as_ref).map_or(RequestId(0), |r| r.id);
+    let mut slots: Vec<Option<Sub>> = (0..reqs.len()).map(|_| None).collect();
+    // Each prompt is computed once: its first choice goes first, the others once that one's
+    // first token came (its prompt's full blocks are in the prefix cache by then, so they
+    // compute only the last partial block). Every choice's first message is awaited so
+    // that errors the engine finds at admission (queue full, invalid parameters) still get
+    // their HTTP status.
+    for leaders in [true, false] {
+        let mut started = Vec::new();
+        for (k, slot) in reqs.iter_mut().enumerate() {
+            let (prompt, j) = fanout::split_index(k, n);
+            if (j == 0) != leaders {
+                continue;
+            }
+            let Some(r) = slot.take() else { continue };
+            match guard.submit(r) {
+                Ok(rx) => {
+                    let echo = echo.as_ref().and_then(|e| e.get(prompt)).cloned();
+                    slots[k] = Some(Sub::new(rx, k, j, echo));
+                    started.push(k);
                 }
-                guard.finish();
+                Err(e) => {
+                    guard.abort();
+                    return Err(e);
+                }
+            }
+        }
+        for k in started {
+            let Some(sub) = slots.get_mut(k).and_then(Option::as_mut) else { continue };
+            if let Err(e) = sub.first().await {
+                guard.abort();
                 return Err(e);
             }
         }
     }
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let id = match api {
-        Api::Chat => format!("chatcmpl-{first_id}"),
-        Api::Completions => format!("cmpl-{first_id}"),
+    let Some(mut subs) = slots.into_iter().collect::<Option<Vec<Sub>>>() else {
+        guard.abort();
+        return Err(ApiError::internal("a choice was not started"));
     };
-    let want_logprobs = prep.params.logprobs.map(|n| n as usize);
-    // Wait for every choice's first message, so that errors the engine finds at admission
-    // (queue full, invalid parameters) still get their HTTP status.
-    for sub in &mut subs {
-        let first = sub.rx.recv().await;
-        match first {
-            Some(Output::Error { class, message }) => {
-                for &id in &guard.ids {
-                    s.dispatcher.cancel(id);
-                }
-                guard.finish();
-                return Err(ApiError::from_class(class, message));
-            }
-            Some(o) => sub.pending = Some(o),
-            None => {
-                guard.finish();
-                return Err(ApiError::unavailable("the worker went away"));
-            }
-        }
-    }
+    let created = unix_now();
+    let id = response_id(api, first_id);
+    let want_logprobs = params.logprobs.map(|n| n as usize);
     let ctx = Ctx { shared: s.clone(), api, arrival, logprobs: want_logprobs };
-    if prep.stream {
+    if stream {
         let writer = ChunkWriter::new(api, &id, created, &s.model.name);
         let body = SseBody {
             ctx,
             guard,
             writer,
             subs,
-            include_usage: prep.include_usage,
-            total: Usage::default(),
+            include_usage,
+            total: UsageSum::default(),
             ended: false,
         };
-        let mut r = Response::new(Body::new(body));
-        let h = r.headers_mut();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        return Ok(r);
+        return Ok(sse_response(Body::new(body)));
     }
     let mut choices = Vec::with_capacity(subs.len());
-    let mut total = Usage::default();
+    let mut total = UsageSum::default();
     for sub in &mut subs {
-        let mut text = String::new();
+        let mut text = sub.echo.as_deref().map(str::to_owned).unwrap_or_default();
         let mut lp = LogprobAcc::default();
         loop {
             let msg = match sub.pending.take() {
@@ -802,23 +905,20 @@ async fn start(
                     ctx.add_logprobs(&mut lp, &d.tokens, &d.logprobs);
                 }
                 Some(Output::Finished { reason, usage }) => {
-                    ctx.on_finish(reason, &usage);
-                    add(&mut total, &usage);
+                    ctx.on_finish(sub.choice, reason, &usage);
+                    total.add(sub.choice, &usage);
                     let logprobs = want_logprobs.map(|_| lp.take(api));
                     choices.push(Choice { text, finish: reason, logprobs });
                     break;
                 }
                 Some(Output::Error { class, message }) => {
-                    for &id in &guard.ids {
-                        s.dispatcher.cancel(id);
-                    }
-                    guard.finish();
+                    guard.abort();
                     return Err(ApiError::from_class(class, message));
                 }
                 // The planes keep KV notes to themselves; one that got here says nothing.
                 Some(Output::Kv(_)) => {}
                 None => {
-                    guard.finish();
+                    guard.abort();
                     return Err(ApiError::internal("the worker stopped before the request ended"));
                 }
             }
@@ -828,14 +928,54 @@ async fn start(
     s.metrics.e2e.observe(arrival.elapsed().as_secs_f64());
     s.metrics.request(api.label(), 200);
     s.live.served();
-    Ok(json_response(StatusCode::OK, response(api, &id, created, &s.model.name, choices, &total)))
+    let body = response(api, &id, created, &s.model.name, choices, total.total());
+    Ok(json_response(StatusCode::OK, body))
 }
 
-fn add(total: &mut Usage, u: &Usage) {
-    total.prompt_tokens += u.prompt_tokens;
-    total.completion_tokens += u.completion_tokens;
-    total.cached_tokens += u.cached_tokens;
-    total.kv_transfer_us = total.kv_transfer_us.saturating_add(u.kv_transfer_us);
+/// `echo` with `max_tokens: 0`: each choice is its prompt's text, ended by length, with no
+/// engine request.
+fn echo_only(
+    s: &Arc<Shared>,
+    api: Api,
+    mut guard: Guard,
+    prep: Prepared,
+    arrival: Instant,
+) -> Response {
+    let n = prep.n;
+    let texts = prep.echo.unwrap_or_default();
+    let mut total = UsageSum::default();
+    for p in &prep.prompts {
+        total.add_prompt(p.len());
+    }
+    let count = prep.prompts.len().saturating_mul(n);
+    let text = |k: usize| texts.get(fanout::split_index(k, n).0).map_or("", |t| t);
+    let id = response_id(api, RequestId(s.next_id.fetch_add(1, Ordering::Relaxed)));
+    let created = unix_now();
+    guard.finish();
+    s.metrics.e2e.observe(arrival.elapsed().as_secs_f64());
+    s.metrics.request(api.label(), 200);
+    s.live.served();
+    if prep.stream {
+        let w = ChunkWriter::new(api, &id, created, &s.model.name);
+        let mut buf = BytesMut::new();
+        for k in 0..count {
+            w.role(&mut buf, k);
+            w.delta(&mut buf, k, text(k), None);
+            w.finish(&mut buf, k, FinishReason::Length);
+        }
+        if prep.include_usage {
+            w.usage(&mut buf, total.total());
+        }
+        w.done(&mut buf);
+        return sse_response(Body::from(buf.freeze()));
+    }
+    let choices = (0..count)
+        .map(|k| Choice { text: text(k).to_owned(), finish: FinishReason::Length, logprobs: None })
+        .collect();
+    json_response(
+        StatusCode::OK,
+        response(api, &id, created, &s.model.name, choices, total.total()),
+    )
 }
 
 /// One choice's output stream.
@@ -845,11 +985,41 @@ struct Sub {
     last: Option<Instant>,
     started: bool,
     done: bool,
+    /// Its OpenAI `index`.
+    index: usize,
+    /// Its place among its prompt's choices (0: the one that computed the prompt).
+    choice: usize,
+    /// The prompt text it starts with (`echo`).
+    echo: Option<Arc<str>>,
 }
 
 impl Sub {
-    fn new(rx: UnboundedReceiver<Output>) -> Self {
-        Sub { rx, pending: None, last: None, started: false, done: false }
+    fn new(
+        rx: UnboundedReceiver<Output>,
+        index: usize,
+        choice: usize,
+        echo: Option<Arc<str>>,
+    ) -> Self {
+        Sub { rx, pending: None, last: None, started: false, done: false, index, choice, echo }
+    }
+
+    /// Waits for the first message that says something (its first token, its end or its
+    /// error), kept in `pending`; an error is returned as the HTTP error it maps to.
+    async fn first(&mut self) -> Result<(), ApiError> {
+        loop {
+            match self.rx.recv().await {
+                // The planes keep KV notes to themselves; one that got here says nothing.
+                Some(Output::Kv(_)) => {}
+                Some(Output::Error { class, message }) => {
+                    return Err(ApiError::from_class(class, message));
+                }
+                Some(o) => {
+                    self.pending = Some(o);
+                    return Ok(());
+                }
+                None => return Err(ApiError::unavailable("the worker went away")),
+            }
+        }
     }
 }
 
@@ -869,6 +1039,9 @@ impl Ctx {
         let now = Instant::now();
         let m = &self.shared.metrics;
         match sub.last {
+            // The time to first token is the prompt's: its other choices start later by
+            // design (after the first one's prefill).
+            None if sub.choice > 0 => {}
             None => {
                 let d = now - self.arrival;
                 m.ttft.observe(d.as_secs_f64());
@@ -883,11 +1056,15 @@ impl Ctx {
         sub.last = Some(now);
     }
 
-    fn on_finish(&self, reason: FinishReason, usage: &Usage) {
+    /// Choice `choice` of its prompt ended: its prompt's tokens are counted with its first
+    /// choice only.
+    fn on_finish(&self, choice: usize, reason: FinishReason, usage: &Usage) {
         let m = &self.shared.metrics;
-        m.input_tokens.inc_by(u64::from(usage.prompt_tokens));
+        if choice == 0 {
+            m.input_tokens.inc_by(u64::from(usage.prompt_tokens));
+            m.cached_tokens.inc_by(u64::from(usage.cached_tokens));
+        }
         m.output_tokens.inc_by(u64::from(usage.completion_tokens));
-        m.cached_tokens.inc_by(u64::from(usage.cached_tokens));
         m.finished(reason.as_str());
     }
 
@@ -908,17 +1085,20 @@ struct SseBody {
     writer: ChunkWriter,
     subs: Vec<Sub>,
     include_usage: bool,
-    total: Usage,
+    total: UsageSum,
     ended: bool,
 }
 
 impl SseBody {
-    /// Writes one output of choice `i`; returns whether the choice ended.
+    /// Writes one output of choice `i`.
     fn write(&mut self, buf: &mut BytesMut, i: usize, out: Output) {
-        let sub = &mut self.subs[i];
+        let Some(sub) = self.subs.get_mut(i) else { return };
         if !sub.started {
             sub.started = true;
-            self.writer.role(buf, i);
+            self.writer.role(buf, sub.index);
+            if let Some(e) = &sub.echo {
+                self.writer.delta(buf, sub.index, e, None);
+            }
         }
         match out {
             Output::Delta(d) => {
@@ -932,20 +1112,30 @@ impl SseBody {
                     None
                 };
                 if !d.text.is_empty() || lp.is_some() {
-                    self.writer.delta(buf, i, &d.text, lp.as_ref());
+                    self.writer.delta(buf, sub.index, &d.text, lp.as_ref());
                 }
             }
             Output::Finished { reason, usage } => {
                 sub.done = true;
-                self.ctx.on_finish(reason, &usage);
-                add(&mut self.total, &usage);
-                self.writer.finish(buf, i, reason);
+                self.ctx.on_finish(sub.choice, reason, &usage);
+                self.total.add(sub.choice, &usage);
+                self.writer.finish(buf, sub.index, reason);
             }
             Output::Error { class, message } => {
-                sub.done = true;
                 self.writer.error(buf, &ApiError::from_class(class, message).json());
+                self.fail();
             }
             Output::Kv(_) => {}
+        }
+    }
+
+    /// One choice failed: the stream ends (after the error already written), and the other
+    /// choices' engine requests are cancelled.
+    fn fail(&mut self) {
+        self.guard.cancel_all();
+        for s in &mut self.subs {
+            s.done = true;
+            s.pending = None;
         }
     }
 }
@@ -965,6 +1155,9 @@ impl http_body::Body for SseBody {
         let mut buf = BytesMut::with_capacity(512);
         let mut written = 0;
         for i in 0..this.subs.len() {
+            if this.subs[i].done {
+                continue;
+            }
             if let Some(o) = this.subs[i].pending.take() {
                 this.write(&mut buf, i, o);
                 written += 1;
@@ -976,9 +1169,9 @@ impl http_body::Body for SseBody {
                         written += 1;
                     }
                     Poll::Ready(None) => {
-                        this.subs[i].done = true;
                         let e = ApiError::internal("the worker stopped before the request ended");
                         this.writer.error(&mut buf, &e.json());
+                        this.fail();
                     }
                     Poll::Pending => break,
                 }
@@ -986,7 +1179,7 @@ impl http_body::Body for SseBody {
         }
         if this.subs.iter().all(|s| s.done) {
             if this.include_usage {
-                this.writer.usage(&mut buf, &this.total);
+                this.writer.usage(&mut buf, this.total.total());
             }
             this.writer.done(&mut buf);
             this.ended = true;

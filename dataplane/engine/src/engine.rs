@@ -22,6 +22,7 @@ use kvx_tokenizer::Tokenizer;
 
 use crate::EngineError;
 use crate::block_pool::BlockEvent;
+use crate::constraint::{ConstraintEnv, SeqConstraint};
 use crate::output::OutputState;
 use crate::sampler::{Sampler, SamplerState, SamplingParams};
 use crate::scheduler::{
@@ -223,6 +224,8 @@ struct SeqState {
     logprobs: Option<u32>,
     arrival: Instant,
     counted_admission: bool,
+    /// The grammar its output follows (structured outputs).
+    constraint: Option<Box<SeqConstraint>>,
 }
 
 /// Engine settings.
@@ -240,6 +243,8 @@ pub struct Engine {
     sched: Scheduler,
     backend: Box<dyn Backend>,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Structured outputs' vocabulary side, built at the first constrained request.
+    constraints: Option<Arc<ConstraintEnv>>,
     sampler: Sampler,
     states: Vec<Option<SeqState>>,
     by_id: HashMap<RequestId, SeqId>,
@@ -298,6 +303,7 @@ impl Engine {
             sched,
             backend,
             tokenizer,
+            constraints: None,
             cfg,
         }
     }
@@ -414,6 +420,10 @@ impl Engine {
         if req.logprobs.is_some_and(|n| n > 20) {
             return Err(EngineError::BadRequest("top_logprobs must be at most 20".into()));
         }
+        let mut constraint = match &req.constraint {
+            Some(c) if !prefill_only => Some(Box::new(self.compile(c)?)),
+            _ => None,
+        };
         let vocab = self.backend.prompt_vocab();
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::BadRequest(format!(
@@ -471,6 +481,12 @@ impl Engine {
                 "the resumed tokens already end the request".into(),
             ));
         }
+        if let Some(c) = constraint.as_mut()
+            && let Err(e) = c.replay(&req.resume)
+        {
+            self.sched.remove(sid);
+            return Err(EngineError::BadRequest(format!("resumed tokens: {e}")));
+        }
         self.states[sid] = Some(SeqState {
             id: req.id,
             sampler: SamplerState::new(&params, self.seed_counter),
@@ -479,9 +495,30 @@ impl Engine {
             logprobs: req.logprobs,
             arrival: Instant::now(),
             counted_admission: false,
+            constraint,
         });
         self.by_id.insert(req.id, sid);
         Ok(admission)
+    }
+
+    /// Compiles a request's constraint (a client error when the grammar is bad or the engine
+    /// has no tokenizer); the vocabulary side is built at the first one.
+    fn compile(&mut self, c: &kvx_proto::Constraint) -> Result<SeqConstraint, EngineError> {
+        let env = match &self.constraints {
+            Some(env) => env.clone(),
+            None => {
+                let Some(tok) = &self.tokenizer else {
+                    return Err(EngineError::BadRequest(
+                        "structured outputs need a tokenizer; this engine has none".into(),
+                    ));
+                };
+                let env = ConstraintEnv::shared(tok, self.backend.n_vocab())
+                    .map_err(EngineError::BadRequest)?;
+                self.constraints = Some(env.clone());
+                env
+            }
+        };
+        env.compile(c).map_err(|e| EngineError::BadRequest(format!("constraint: {e}")))
     }
 
     /// The KV of a reserved request arrived: it runs from its last prompt token. False if it
@@ -611,6 +648,7 @@ impl Engine {
                     st.params.temperature == 0.0
                         && !st.params.has_penalties()
                         && st.logprobs.is_none()
+                        && st.constraint.is_none()
                 });
                 chunks.push(SeqChunk {
                     tokens: &seq.tokens[c.start..c.start + c.len],
@@ -650,6 +688,34 @@ impl Engine {
                 self.stats.prompt_tokens += seq.prompt_len as u64;
                 self.stats.cached_tokens += seq.cached_prompt as u64;
             }
+            if let Some(cs) = st.constraint.as_mut()
+                && !cs.mask(row)
+            {
+                // Nothing the grammar allows (it failed): the request ends here.
+                let text_start = self.out.text.len();
+                st.output.flush(tok, &mut self.out.text);
+                let id = st.id;
+                self.out.events.push(SeqEvent {
+                    id,
+                    token: None,
+                    logprob: 0.0,
+                    top: 0..0,
+                    text: text_start..self.out.text.len(),
+                    finish: Some(FinishReason::Stop),
+                    usage: Usage {
+                        prompt_tokens: seq.prompt_len as u32,
+                        completion_tokens: st.output.generated() as u32,
+                        cached_tokens: seq.cached_prompt as u32,
+                        kv_transfer_us: 0,
+                    },
+                    prefilled: false,
+                });
+                self.by_id.remove(&id);
+                self.sched.remove(c.seq);
+                self.states[c.seq] = None;
+                self.stats.finished += 1;
+                continue;
+            }
             self.sampler.apply_penalties(
                 &st.params,
                 row,
@@ -667,7 +733,17 @@ impl Engine {
             self.sched.append_token(c.seq, s.token);
             self.stats.generated_tokens += 1;
             let text_start = self.out.text.len();
-            let finish = st.output.on_token(s.token, tok, &mut self.out.text);
+            let mut finish = st.output.on_token(s.token, tok, &mut self.out.text);
+            // A complete grammar ends the request (only end-of-generation could follow).
+            if finish != Some(FinishReason::Stop)
+                && let Some(cs) = st.constraint.as_mut()
+                && cs.advance(s.token)
+            {
+                if finish.is_none() {
+                    st.output.flush(tok, &mut self.out.text);
+                }
+                finish = Some(FinishReason::Stop);
+            }
             let Some(seq) = self.sched.seq(c.seq) else { continue };
             let usage = Usage {
                 prompt_tokens: seq.prompt_len as u32,

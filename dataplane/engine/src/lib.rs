@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod block_pool;
+pub mod constraint;
 pub mod engine;
 pub mod mocker;
 pub mod output;

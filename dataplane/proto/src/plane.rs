@@ -301,6 +301,7 @@ mod tests {
                 salt: Some("t".into()),
                 kv: KvRole::PrefillTo(KvDest { worker: 3, first_block: 2, blocks: vec![9, 4] }),
                 resume: Vec::new(),
+                constraint: None,
             },
         };
         assert_eq!(round_trip(kind::SUBMIT, &sub), sub);

@@ -113,6 +113,23 @@ pub struct GenerateRequest {
     /// output is what an undisturbed run gives. `stop.max_tokens` still counts them.
     #[serde(default)]
     pub resume: Vec<TokenId>,
+    /// A grammar the output must match (structured outputs); `None` = free text.
+    #[serde(default)]
+    pub constraint: Option<Constraint>,
+}
+
+/// A grammar that constrains a request's output, as the client gave it (compiled by the
+/// engine at admission; the text crosses the wire to remote workers unchanged).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Constraint {
+    /// A JSON schema (its JSON text): the output is one JSON value it accepts.
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// A regular expression the whole output matches.
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
 }
 
 /// A request's part in disaggregated serving.

@@ -182,7 +182,7 @@ fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     let want = ORACLE_REQ.split("==").nth(1).unwrap_or_default();
     let stamp = format!("{ORACLE_REQ} {level}");
     let check = format!(
-        "import llama_cpp, numpy, jinja2, openai; assert llama_cpp.__version__ == {want:?}"
+        "import llama_cpp, numpy, jinja2, openai, jsonschema; assert llama_cpp.__version__ == {want:?}"
     );
     let ok = std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == stamp)
         && Command::new(&python).args(["-c", &check]).output().is_ok_and(|o| o.status.success());
@@ -198,7 +198,7 @@ fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     let flags = cmake_args.split_whitespace().collect::<Vec<_>>().join(" ");
     run(Command::new(&python)
         .args(["-m", "pip", "install", "--quiet", "--no-cache-dir", ORACLE_REQ])
-        .args(["numpy", "jinja2", "openai"])
+        .args(["numpy", "jinja2", "openai", "jsonschema"])
         .env("CMAKE_ARGS", flags))?;
     std::fs::write(&marker, stamp)?;
     Ok(python)

@@ -27,6 +27,7 @@ pub fn request(id: u64, seed: u32, len: u32, max_tokens: u32) -> GenerateRequest
         salt: None,
         kv: Default::default(),
         resume: Vec::new(),
+        constraint: None,
     }
 }
 

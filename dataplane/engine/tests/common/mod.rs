@@ -60,6 +60,7 @@ pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         salt: None,
         kv: Default::default(),
         resume: Vec::new(),
+        constraint: None,
     }
 }
 

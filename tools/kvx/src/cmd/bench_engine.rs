@@ -56,6 +56,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
             salt: None,
             kv: Default::default(),
             resume: Vec::new(),
+            constraint: None,
         };
         engine.add(&req)?;
         let start = Instant::now();

@@ -191,6 +191,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
                 salt: None,
                 kv: Default::default(),
                 resume: Vec::new(),
+                constraint: None,
             };
             engine.add(&req).map_err(|e| anyhow::anyhow!("prompt {next}: {e}"))?;
             by_id.insert(req.id, jobs.len());

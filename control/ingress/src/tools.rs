@@ -1,0 +1,343 @@
+//! Tool calls: a chat request's `tools` and `tool_choice` checked, the grammar a forced call
+//! must match (`required`, or a named function: one call whose `arguments` follow the
+//! function's `parameters` schema), and the generated text turned into OpenAI `tool_calls` —
+//! the forced call's JSON, or, with `auto`, the `<tool_call>{...}</tool_call>` blocks (or a
+//! bare call object) a model trained for tools writes.
+
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+
+/// One function the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// The JSON schema of its arguments.
+    pub parameters: Value,
+}
+
+/// What the request lets the model do with its tools.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Answer in text; no call is parsed.
+    None,
+    /// Call a tool or answer in text (calls are parsed out of the text).
+    Auto,
+    /// Call one of the tools (the output is constrained to a call).
+    Required,
+    /// Call this tool (the output is constrained to a call of it).
+    Named(String),
+}
+
+/// A call, as OpenAI returns it: `arguments` is the JSON text of the arguments object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+}
+
+/// Longest function name OpenAI accepts.
+const MAX_NAME: usize = 64;
+/// Most tools in one request.
+const MAX_TOOLS: usize = 128;
+
+fn bad(msg: impl Into<String>, param: &'static str) -> ApiError {
+    ApiError::bad_request(msg, Some(param))
+}
+
+/// The request's tools and choice, checked: `tools` an array of
+/// `{"type":"function","function":{"name","description"?,"parameters"?}}` with distinct names;
+/// `tool_choice` `"none"`, `"auto"`, `"required"` or `{"type":"function","function":{"name"}}`
+/// naming one of them (default `auto` with tools, `none` without).
+pub fn parse(
+    tools: Option<&Value>,
+    choice: Option<&Value>,
+) -> Result<(Vec<Tool>, ToolChoice), ApiError> {
+    let mut out = Vec::new();
+    match tools {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(list)) => {
+            if list.len() > MAX_TOOLS {
+                return Err(bad(format!("at most {MAX_TOOLS} tools"), "tools"));
+            }
+            for t in list {
+                if t.get("type").and_then(Value::as_str) != Some("function") {
+                    return Err(bad("each tool must be {\"type\": \"function\", ...}", "tools"));
+                }
+                let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+                    bad("a tool of type function needs a `function` object", "tools")
+                })?;
+                let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+                let valid = !name.is_empty()
+                    && name.len() <= MAX_NAME
+                    && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                if !valid {
+                    return Err(bad(
+                        format!("tool name {name:?}: 1 to {MAX_NAME} of a-z, A-Z, 0-9, _ and -"),
+                        "tools",
+                    ));
+                }
+                if out.iter().any(|x: &Tool| x.name == name) {
+                    return Err(bad(format!("two tools are named {name:?}"), "tools"));
+                }
+                let parameters = match f.get("parameters") {
+                    None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+                    Some(p @ Value::Object(_)) => p.clone(),
+                    Some(_) => {
+                        return Err(bad(
+                            format!("the parameters of {name:?} must be a JSON schema object"),
+                            "tools",
+                        ));
+                    }
+                };
+                out.push(Tool { name: name.to_string(), parameters });
+            }
+        }
+        Some(_) => return Err(bad("tools must be an array", "tools")),
+    }
+    let choice = match choice {
+        None | Some(Value::Null) => {
+            if out.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            }
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(
+                    format!("tool_choice {other:?}: none, auto, required or a function"),
+                    "tool_choice",
+                ));
+            }
+        },
+        Some(v @ Value::Object(_)) => {
+            let name = v
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    bad("tool_choice as an object is {\"type\":\"function\",\"function\":{\"name\":...}}", "tool_choice")
+                })?;
+            ToolChoice::Named(name.to_string())
+        }
+        Some(_) => return Err(bad("tool_choice must be a string or an object", "tool_choice")),
+    };
+    match &choice {
+        ToolChoice::Required if out.is_empty() => {
+            return Err(bad("tool_choice \"required\" needs tools", "tool_choice"));
+        }
+        ToolChoice::Named(n) if !out.iter().any(|t| &t.name == n) => {
+            return Err(bad(
+                format!("tool_choice names {n:?}, which is not in tools"),
+                "tool_choice",
+            ));
+        }
+        _ => {}
+    }
+    Ok((out, choice))
+}
+
+/// The schema of one call of `t`: `{"name": <t's name>, "arguments": <its parameters>}`.
+fn call_schema(t: &Tool) -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"const": t.name},
+            "arguments": t.parameters,
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": false,
+    })
+}
+
+/// The JSON schema a forced call must match (`required`: a call of any tool; named: a call
+/// of that one), as JSON text; `None` when nothing is forced.
+pub fn forced_schema(tools: &[Tool], choice: &ToolChoice) -> Option<String> {
+    let schema = match choice {
+        ToolChoice::None | ToolChoice::Auto => return None,
+        ToolChoice::Named(n) => call_schema(tools.iter().find(|t| &t.name == n)?),
+        ToolChoice::Required if tools.len() == 1 => call_schema(&tools[0]),
+        ToolChoice::Required => json!({"anyOf": tools.iter().map(call_schema).collect::<Vec<_>>()}),
+    };
+    Some(schema.to_string())
+}
+
+/// A call object `{"name": ..., "arguments": {...}}` (`arguments` may also be a JSON string,
+/// or `parameters` as some models write it) naming one of `tools`.
+fn call_of(v: &Value, tools: &[Tool]) -> Option<ToolCall> {
+    let name = v.get("name")?.as_str()?;
+    if !tools.iter().any(|t| t.name == name) {
+        return None;
+    }
+    let args = v.get("arguments").or_else(|| v.get("parameters"))?;
+    let arguments = match args {
+        Value::String(s) => {
+            serde_json::from_str::<Value>(s).ok().filter(Value::is_object)?.to_string()
+        }
+        Value::Object(_) => args.to_string(),
+        _ => return None,
+    };
+    Some(ToolCall { name: name.to_string(), arguments })
+}
+
+/// The call a forced output holds (the grammar made it one); `None` if the output was cut
+/// short (`length`) before the call was complete.
+pub fn parse_forced(text: &str, tools: &[Tool]) -> Option<ToolCall> {
+    call_of(&serde_json::from_str::<Value>(text.trim()).ok()?, tools)
+}
+
+/// With `auto`: the calls in a free answer — `<tool_call>{...}</tool_call>` blocks, or the
+/// whole answer being one call object — and the text left around them (`None` when only
+/// calls were written). Text that holds no valid call is returned as it is.
+pub fn parse_auto(text: &str, tools: &[Tool]) -> (Option<String>, Vec<ToolCall>) {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let mut calls = Vec::new();
+    let mut rest = String::new();
+    let mut s = text;
+    while let Some(i) = s.find(OPEN) {
+        let after = &s[i + OPEN.len()..];
+        let (body, next) = match after.find(CLOSE) {
+            Some(j) => (&after[..j], &after[j + CLOSE.len()..]),
+            None => (after, ""),
+        };
+        match serde_json::from_str::<Value>(body.trim()).ok().and_then(|v| call_of(&v, tools)) {
+            Some(c) => {
+                rest.push_str(&s[..i]);
+                calls.push(c);
+            }
+            None => {
+                rest.push_str(&s[..i + OPEN.len()]);
+                rest.push_str(body);
+                if after.contains(CLOSE) {
+                    rest.push_str(CLOSE);
+                }
+            }
+        }
+        s = next;
+    }
+    rest.push_str(s);
+    if calls.is_empty()
+        && let Some(c) =
+            serde_json::from_str::<Value>(text.trim()).ok().and_then(|v| call_of(&v, tools))
+    {
+        return (None, vec![c]);
+    }
+    let rest = rest.trim();
+    (if rest.is_empty() { None } else { Some(rest.to_string()) }, calls)
+}
+
+/// The `tool_calls` array of a response: `call_<request>_<i>` ids.
+pub fn calls_json(calls: &[ToolCall], request_id: &str) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "id": format!("call_{request_id}_{i}"),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                })
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}},
+            {"type": "function", "function": {"name": "get_time"}}])
+    }
+
+    #[test]
+    fn tools_and_choices_parse_and_bad_ones_are_named() {
+        let (t, c) = parse(Some(&weather()), None).unwrap();
+        assert_eq!((t.len(), c), (2, ToolChoice::Auto));
+        assert_eq!(t[1].parameters, json!({"type": "object", "properties": {}}));
+        let (_, c) = parse(None, None).unwrap();
+        assert_eq!(c, ToolChoice::None);
+        let named = json!({"type": "function", "function": {"name": "get_time"}});
+        assert_eq!(
+            parse(Some(&weather()), Some(&named)).unwrap().1,
+            ToolChoice::Named("get_time".into())
+        );
+        for (tools, choice, needle) in [
+            (json!({}), json!("auto"), "array"),
+            (json!([{"type": "code"}]), json!("auto"), "function"),
+            (
+                json!([{"type": "function", "function": {"name": "a b"}}]),
+                json!("auto"),
+                "tool name",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "a"}},
+                    {"type": "function", "function": {"name": "a"}}]),
+                json!("auto"),
+                "two tools",
+            ),
+            (json!([]), json!("required"), "needs tools"),
+            (weather(), json!({"type": "function", "function": {"name": "nope"}}), "not in tools"),
+            (weather(), json!("sometimes"), "tool_choice"),
+        ] {
+            let e = parse(Some(&tools), Some(&choice)).unwrap_err();
+            assert!(e.message.contains(needle), "{needle}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn forced_schemas_name_the_function_and_carry_its_parameters() {
+        let (t, _) = parse(Some(&weather()), None).unwrap();
+        assert_eq!(forced_schema(&t, &ToolChoice::Auto), None);
+        let s: Value = serde_json::from_str(
+            &forced_schema(&t, &ToolChoice::Named("get_weather".into())).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(s["properties"]["name"]["const"], "get_weather");
+        assert_eq!(s["properties"]["arguments"]["required"], json!(["city"]));
+        let any: Value =
+            serde_json::from_str(&forced_schema(&t, &ToolChoice::Required).unwrap()).unwrap();
+        assert_eq!(any["anyOf"].as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn outputs_become_calls() {
+        let (t, _) = parse(Some(&weather()), None).unwrap();
+        let c = parse_forced(r#" {"name": "get_weather", "arguments": {"city": "Paris"}} "#, &t)
+            .unwrap();
+        assert_eq!(
+            c,
+            ToolCall { name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() }
+        );
+        assert_eq!(parse_forced(r#"{"name": "get_weather", "argu"#, &t), None, "cut short");
+        let (content, calls) = parse_auto(
+            "Let me check.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>",
+            &t,
+        );
+        assert_eq!(content.as_deref(), Some("Let me check."));
+        assert_eq!(calls.len(), 1);
+        let (content, calls) =
+            parse_auto(r#"{"name":"get_weather","arguments":"{\"city\":\"Oslo\"}"}"#, &t);
+        assert_eq!((content, calls[0].arguments.as_str()), (None, r#"{"city":"Oslo"}"#));
+        let (content, calls) = parse_auto("<tool_call>{\"name\": \"unknown\"}</tool_call> hi", &t);
+        assert!(calls.is_empty());
+        assert_eq!(content.as_deref(), Some("<tool_call>{\"name\": \"unknown\"}</tool_call> hi"));
+        let ids = calls_json(&[ToolCall { name: "f".into(), arguments: "{}".into() }], "r1");
+        assert_eq!(ids[0]["id"], "call_r1_0");
+        assert_eq!(ids[0]["function"]["arguments"], "{}");
+    }
+}
