@@ -176,6 +176,13 @@ pub struct ChatRequest {
     /// Tool definitions, handed to the chat template.
     #[serde(default)]
     pub tools: Option<serde_json::Value>,
+    /// `tool_choice`: `none`, `auto`, `required` or a named function ([`crate::tools`]).
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// `parallel_tool_calls`: accepted; a forced choice makes one call.
+    #[serde(default)]
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<bool>,
     /// Extra chat template variables (extension).
     #[serde(default)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,

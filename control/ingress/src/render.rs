@@ -124,6 +124,9 @@ pub struct Choice {
     pub finish: FinishReason,
     /// Log-probabilities, when asked for.
     pub logprobs: Option<Value>,
+    /// The `tool_calls` array, when the answer called tools (chat); `text` is then the
+    /// content left beside them (none when empty).
+    pub tool_calls: Option<Value>,
 }
 
 /// A whole (non-streamed) response.
@@ -139,12 +142,24 @@ pub fn response(
         .into_iter()
         .enumerate()
         .map(|(i, c)| match api {
-            Api::Chat => json!({
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": c.logprobs,
-                "finish_reason": finish_reason(c.finish),
-            }),
+            Api::Chat => match c.tool_calls {
+                None => json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": c.logprobs,
+                    "finish_reason": finish_reason(c.finish),
+                }),
+                Some(calls) => json!({
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": if c.text.is_empty() { Value::Null } else { Value::from(c.text) },
+                        "tool_calls": calls,
+                    },
+                    "logprobs": c.logprobs,
+                    "finish_reason": "tool_calls",
+                }),
+            },
             Api::Completions => json!({
                 "index": i,
                 "text": c.text,
@@ -249,6 +264,36 @@ impl ChunkWriter {
         buf.put_slice(b"\"}]}\n\n");
     }
 
+    /// A chat chunk with a choice's tool calls, each whole (`calls`: the `tool_calls` array;
+    /// every entry gets its place as `index`).
+    pub fn tool_calls(&self, buf: &mut BytesMut, index: usize, calls: &Value) {
+        let calls: Vec<Value> = calls
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let mut c = c.clone();
+                        c["index"] = Value::from(i);
+                        c
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        buf.put_slice(&self.prefix);
+        buf.put_slice(index.to_string().as_bytes());
+        buf.put_slice(b",\"delta\":{\"tool_calls\":");
+        let _ = serde_json::to_writer(buf.writer(), &calls);
+        buf.put_slice(b"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+    }
+
+    /// The last chunk of a choice that called tools (`finish_reason: tool_calls`).
+    pub fn finish_tool_calls(&self, buf: &mut BytesMut, index: usize) {
+        buf.put_slice(&self.prefix);
+        buf.put_slice(index.to_string().as_bytes());
+        buf.put_slice(b",\"delta\":{},\"logprobs\":null,\"finish_reason\":\"tool_calls\"}]}\n\n");
+    }
+
     /// The usage chunk (`stream_options.include_usage`).
     pub fn usage(&self, buf: &mut BytesMut, usage: &Usage) {
         buf.put_slice(&self.head);
@@ -338,7 +383,12 @@ mod tests {
             "chatcmpl-1",
             5,
             "m",
-            vec![Choice { text: "hi".into(), finish: FinishReason::Stop, logprobs: None }],
+            vec![Choice {
+                text: "hi".into(),
+                finish: FinishReason::Stop,
+                logprobs: None,
+                tool_calls: None,
+            }],
             &Usage {
                 prompt_tokens: 4,
                 completion_tokens: 1,

@@ -41,6 +41,7 @@ use crate::openai::{
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
 use crate::status::{self, Live};
 use crate::tls::{Tls, TlsListener};
+use crate::tools::{self, StreamSplit, ToolMode};
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -567,16 +568,30 @@ struct Prepared {
     echo: Option<Vec<Arc<str>>>,
     /// `echo` with `max_tokens: 0`: the prompts are the whole answer, no engine request.
     echo_only: bool,
+    /// A chat request's tools (calls are parsed out of the answers).
+    tools: Option<Arc<ToolMode>>,
 }
 
 fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared, ApiError> {
     let tok = &s.model.tokenizer;
     let mut echo = None;
+    let mut tool_mode = None;
     let (mut common, prompts) = match api {
         Api::Chat => {
             let r: ChatRequest = parse(body)?;
-            let c = r.common()?;
+            let mut c = r.common()?;
             check_model(s, c.model.as_deref(), grant)?;
+            let (tools, choice) = tools::parse(r.tools.as_ref(), r.tool_choice.as_ref())?;
+            if let Some(schema) = tools::forced_schema(&tools, &choice) {
+                if c.constraint.is_some() {
+                    return Err(ApiError::bad_request(
+                        "tool_choice forces a call: give no response_format or guided_* with it",
+                        Some("tool_choice"),
+                    ));
+                }
+                c.constraint = Some(kvx_proto::Constraint::JsonSchema(schema));
+            }
+            tool_mode = ToolMode::new(tools, &choice).map(Arc::new);
             let text = r.render(tok)?;
             let ids = tok
                 .encode_prompt(&text)
@@ -609,6 +624,7 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
         n: common.n.unwrap_or(1).max(1) as usize,
         echo,
         echo_only,
+        tools: tool_mode,
     })
 }
 
@@ -817,7 +833,7 @@ async fn start(
         return Err(ApiError::unavailable("no worker is ready"));
     }
     guard.admit_key(&access, prompt_tokens as u64, n)?;
-    let Prepared { params, prompts, stream, include_usage, echo, .. } = prep;
+    let Prepared { params, prompts, stream, include_usage, echo, tools, .. } = prep;
     let random = RandomState::new().hash_one(s.next_id.load(Ordering::Relaxed));
     let seeds = fanout::seeds(params.sampling.seed, n, random);
     // One engine request per choice, in index order (prompt-major).
@@ -873,7 +889,8 @@ async fn start(
     let created = unix_now();
     let id = response_id(api, first_id);
     let want_logprobs = params.logprobs.map(|n| n as usize);
-    let ctx = Ctx { shared: s.clone(), api, arrival, logprobs: want_logprobs };
+    let ctx =
+        Ctx { shared: s.clone(), api, arrival, logprobs: want_logprobs, tools, id: id.clone() };
     if stream {
         let writer = ChunkWriter::new(api, &id, created, &s.model.name);
         let body = SseBody {
@@ -908,7 +925,8 @@ async fn start(
                     ctx.on_finish(sub.choice, reason, &usage);
                     total.add(sub.choice, &usage);
                     let logprobs = want_logprobs.map(|_| lp.take(api));
-                    choices.push(Choice { text, finish: reason, logprobs });
+                    let (text, tool_calls) = ctx.calls_of(sub.index, text);
+                    choices.push(Choice { text, finish: reason, logprobs, tool_calls });
                     break;
                 }
                 Some(Output::Error { class, message }) => {
@@ -970,7 +988,12 @@ fn echo_only(
         return sse_response(Body::from(buf.freeze()));
     }
     let choices = (0..count)
-        .map(|k| Choice { text: text(k).to_owned(), finish: FinishReason::Length, logprobs: None })
+        .map(|k| Choice {
+            text: text(k).to_owned(),
+            finish: FinishReason::Length,
+            logprobs: None,
+            tool_calls: None,
+        })
         .collect();
     json_response(
         StatusCode::OK,
@@ -991,6 +1014,8 @@ struct Sub {
     choice: usize,
     /// The prompt text it starts with (`echo`).
     echo: Option<Arc<str>>,
+    /// Its streamed text split into content and tool calls (chat with tools).
+    split: StreamSplit,
 }
 
 impl Sub {
@@ -1000,7 +1025,17 @@ impl Sub {
         choice: usize,
         echo: Option<Arc<str>>,
     ) -> Self {
-        Sub { rx, pending: None, last: None, started: false, done: false, index, choice, echo }
+        Sub {
+            rx,
+            pending: None,
+            last: None,
+            started: false,
+            done: false,
+            index,
+            choice,
+            echo,
+            split: StreamSplit::default(),
+        }
     }
 
     /// Waits for the first message that says something (its first token, its end or its
@@ -1029,9 +1064,25 @@ struct Ctx {
     api: Api,
     arrival: Instant,
     logprobs: Option<usize>,
+    /// A chat request's tools.
+    tools: Option<Arc<ToolMode>>,
+    /// The response's id (tool calls' ids derive from it).
+    id: String,
 }
 
 impl Ctx {
+    /// A whole answer of choice `index` split into its content and its tool calls (`None`
+    /// when it called none).
+    fn calls_of(&self, index: usize, text: String) -> (String, Option<serde_json::Value>) {
+        let Some(mode) = &self.tools else { return (text, None) };
+        let (content, calls) = mode.split(&text);
+        if calls.is_empty() {
+            return (text, None);
+        }
+        let json = tools::calls_json(&calls, &format!("{}_{index}", self.id));
+        (content.unwrap_or_default(), Some(json))
+    }
+
     fn on_tokens(&self, sub: &mut Sub, n: usize) {
         if n == 0 {
             return;
@@ -1111,15 +1162,33 @@ impl SseBody {
                 } else {
                     None
                 };
-                if !d.text.is_empty() || lp.is_some() {
-                    self.writer.delta(buf, sub.index, &d.text, lp.as_ref());
+                let text = match &self.ctx.tools {
+                    Some(mode) => std::borrow::Cow::Owned(sub.split.push(mode, &d.text)),
+                    None => std::borrow::Cow::Borrowed(d.text.as_str()),
+                };
+                if !text.is_empty() || lp.is_some() {
+                    self.writer.delta(buf, sub.index, &text, lp.as_ref());
                 }
             }
             Output::Finished { reason, usage } => {
                 sub.done = true;
                 self.ctx.on_finish(sub.choice, reason, &usage);
                 self.total.add(sub.choice, &usage);
-                self.writer.finish(buf, sub.index, reason);
+                let Some(mode) = &self.ctx.tools else {
+                    self.writer.finish(buf, sub.index, reason);
+                    return;
+                };
+                let (rest, calls) = std::mem::take(&mut sub.split).finish(mode);
+                if let Some(r) = rest.filter(|r| !r.is_empty()) {
+                    self.writer.delta(buf, sub.index, &r, None);
+                }
+                if calls.is_empty() {
+                    self.writer.finish(buf, sub.index, reason);
+                } else {
+                    let id = format!("{}_{}", self.ctx.id, sub.index);
+                    self.writer.tool_calls(buf, sub.index, &tools::calls_json(&calls, &id));
+                    self.writer.finish_tool_calls(buf, sub.index);
+                }
             }
             Output::Error { class, message } => {
                 self.writer.error(buf, &ApiError::from_class(class, message).json());

@@ -251,6 +251,101 @@ pub fn calls_json(calls: &[ToolCall], request_id: &str) -> Value {
     )
 }
 
+/// A chat request's tools as its response needs them.
+#[derive(Debug, Clone)]
+pub struct ToolMode {
+    /// The tools.
+    pub tools: Vec<Tool>,
+    /// Whether the output is constrained to one call (`required` or a named function).
+    pub forced: bool,
+}
+
+impl ToolMode {
+    /// The mode of a checked choice; `None` for [`ToolChoice::None`].
+    pub fn new(tools: Vec<Tool>, choice: &ToolChoice) -> Option<Self> {
+        match choice {
+            ToolChoice::None => None,
+            ToolChoice::Auto => Some(Self { tools, forced: false }),
+            ToolChoice::Required | ToolChoice::Named(_) => Some(Self { tools, forced: true }),
+        }
+    }
+
+    /// A whole answer: the content left and the calls.
+    pub fn split(&self, text: &str) -> (Option<String>, Vec<ToolCall>) {
+        if self.forced {
+            match parse_forced(text, &self.tools) {
+                Some(c) => (None, vec![c]),
+                None => (Some(text.to_string()), Vec::new()),
+            }
+        } else {
+            parse_auto(text, &self.tools)
+        }
+    }
+}
+
+/// A streamed answer split as it arrives: text that cannot be (the start of) a call is
+/// streamed as content at once; from a `<tool_call>` on (or, with a forced call, from the
+/// start) text is held and turned into calls at the end.
+#[derive(Debug, Default)]
+pub struct StreamSplit {
+    held: String,
+    holding: bool,
+    emitted: bool,
+}
+
+const OPEN_TAG: &str = "<tool_call>";
+
+impl StreamSplit {
+    /// Takes a delta's text; returns what may be streamed as content now.
+    pub fn push(&mut self, mode: &ToolMode, text: &str) -> String {
+        self.held.push_str(text);
+        if mode.forced || self.holding {
+            self.holding = true;
+            return String::new();
+        }
+        // A whole answer that is a bare call object starts with `{`.
+        if !self.emitted && self.held.trim_start().starts_with('{') {
+            self.holding = true;
+            return String::new();
+        }
+        if let Some(i) = self.held.find(OPEN_TAG) {
+            self.holding = true;
+            let out: String = self.held.drain(..i).collect();
+            self.emitted |= !out.is_empty();
+            return out;
+        }
+        // Keep back a tail that may be the start of the tag.
+        let keep = (1..OPEN_TAG.len())
+            .rev()
+            .find(|&k| {
+                self.held.is_char_boundary(self.held.len().saturating_sub(k))
+                    && self.held.len() >= k
+                    && OPEN_TAG.starts_with(&self.held[self.held.len() - k..])
+            })
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out: String = self.held.drain(..cut).collect();
+        self.emitted |= !out.trim().is_empty();
+        out
+    }
+
+    /// At the end: the content still to stream and the calls.
+    pub fn finish(self, mode: &ToolMode) -> (Option<String>, Vec<ToolCall>) {
+        if self.held.is_empty() {
+            return (None, Vec::new());
+        }
+        if mode.forced {
+            return mode.split(&self.held);
+        }
+        let (content, calls) = parse_auto(&self.held, &mode.tools);
+        if calls.is_empty() {
+            // Nothing was a call: all of it is content, as written.
+            return (Some(self.held), calls);
+        }
+        (content, calls)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,6 +407,50 @@ mod tests {
         let any: Value =
             serde_json::from_str(&forced_schema(&t, &ToolChoice::Required).unwrap()).unwrap();
         assert_eq!(any["anyOf"].as_array().unwrap().len(), 2);
+    }
+
+    fn stream(mode: &ToolMode, parts: &[&str]) -> (String, Option<String>, Vec<ToolCall>) {
+        let mut sp = StreamSplit::default();
+        let mut out = String::new();
+        for p in parts {
+            out.push_str(&sp.push(mode, p));
+        }
+        let (rest, calls) = sp.finish(mode);
+        (out, rest, calls)
+    }
+
+    #[test]
+    fn streamed_answers_hold_back_only_what_may_be_a_call() {
+        let (t, _) = parse(Some(&weather()), None).unwrap();
+        let auto = ToolMode::new(t.clone(), &ToolChoice::Auto).unwrap();
+        // Plain text streams through whole, even with a `<` that starts no call.
+        let (out, rest, calls) = stream(&auto, &["Hello <b>wor", "ld</b> and <tool", "s> too"]);
+        assert_eq!(out + rest.as_deref().unwrap_or(""), "Hello <b>world</b> and <tools> too");
+        assert!(calls.is_empty());
+        // A call split over deltas: the text before it streams, the call is held.
+        let (out, rest, calls) = stream(
+            &auto,
+            &["Sure. <tool_", "call>{\"name\": \"get_time\", ", "\"arguments\": {}}</tool_call>"],
+        );
+        assert_eq!(out, "Sure. ");
+        assert_eq!(rest, None);
+        assert_eq!(calls[0].name, "get_time");
+        // A bare call object as the whole answer.
+        let (out, _, calls) = stream(&auto, &["{\"name\": \"get_time\",", " \"arguments\": {}}"]);
+        assert_eq!((out.as_str(), calls.len()), ("", 1));
+        // Forced: nothing streams as content.
+        let forced = ToolMode::new(t, &ToolChoice::Required).unwrap();
+        let (out, rest, calls) = stream(
+            &forced,
+            &["{\"name\": \"get_weather\", \"arguments\": ", "{\"city\": \"Rome\"}}"],
+        );
+        assert_eq!(
+            (out.as_str(), rest, calls[0].arguments.as_str()),
+            ("", None, r#"{"city":"Rome"}"#)
+        );
+        // Multi-byte text next to the tag's first byte.
+        let (out, rest, _) = stream(&auto, &["héllo ", "wörld<"]);
+        assert_eq!(out + rest.as_deref().unwrap_or(""), "héllo wörld<");
     }
 
     #[test]
