@@ -133,6 +133,20 @@ fn the_chart_refuses_values_that_cannot_work() {
     let out = run(&mut cmd);
     assert!(!out.status.success(), "two frontends without etcd rendered");
     assert!(text(&out).contains("one frontend replica"), "{}", text(&out));
+
+    let mut cmd = Command::new(tool("KVX_HELM"));
+    cmd.args(["template", "kvx"]).arg(chart()).args(["--set", "workers.podIPFamily=v6"]);
+    let out = run(&mut cmd);
+    assert!(!out.status.success(), "an unknown address family rendered");
+    assert!(text(&out).contains("IPv4 or IPv6"), "{}", text(&out));
+
+    // IPv6 pods: addresses are bracketed before their ports.
+    let mut cmd = Command::new(tool("KVX_HELM"));
+    cmd.args(["template", "kvx"]).arg(chart()).args(["--set", "workers.podIPFamily=IPv6"]);
+    let out = run(&mut cmd);
+    assert!(out.status.success(), "{}", text(&out));
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    assert!(yaml.contains("\"[$(POD_IP)]:7300\"") && yaml.contains("\"[::]:7200\""), "{yaml}");
 }
 
 #[test]
