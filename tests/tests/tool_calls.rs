@@ -54,18 +54,18 @@ fn bad_tools_and_choices_are_refused_by_name() {
         let v: Value = r.json();
         assert_eq!(v["error"]["param"], param, "{v}");
     }
-    // The mocker honours the forced call's grammar: the answer is a call of `f`.
-    let body = json!({"messages": msgs, "tools": [tool], "tool_choice": "required", "max_tokens": 64,
-                      "temperature": 0});
+    // The mocker honours the forced call's grammar: with a closed schema the only answer is a
+    // call of `f` with no arguments.
+    let closed = json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {}, "additionalProperties": false}}});
+    let body = json!({"messages": msgs, "tools": [closed], "tool_choice": "required",
+                      "max_tokens": 64, "temperature": 0});
     let r = http(&s.addr, "POST", "/v1/chat/completions", &[], Some(body.to_string().as_bytes()));
     assert_eq!(r.status, 200, "{}", r.text());
     let v: Value = r.json();
     let ch = &v["choices"][0];
-    if ch["finish_reason"] == "tool_calls" {
-        assert_eq!(ch["message"]["tool_calls"][0]["function"]["name"], "f", "{v}");
-        assert!(ch["message"]["content"].is_null(), "{v}");
-    } else {
-        // The mocker's greedy walk may run out of tokens inside the call; never free text.
-        assert_eq!(ch["finish_reason"], "length", "{v}");
-    }
+    assert_eq!(ch["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(ch["message"]["tool_calls"][0]["function"]["name"], "f", "{v}");
+    assert_eq!(ch["message"]["tool_calls"][0]["function"]["arguments"], "{}", "{v}");
+    assert!(ch["message"]["content"].is_null(), "{v}");
 }

@@ -480,7 +480,30 @@ fn constraint_of(
             found[1].0,
         ));
     }
-    Ok(found.pop().map(|(_, c)| c))
+    let c = found.pop();
+    if let Some((field, c)) = &c {
+        let len = match c {
+            Constraint::JsonSchema(t) | Constraint::Regex(t) | Constraint::Lark(t) => t.len(),
+            Constraint::JsonObject => 0,
+        };
+        check_constraint_len(len, field)?;
+    }
+    Ok(c.map(|(_, c)| c))
+}
+
+/// Longest grammar text (schema, regex or Lark) a request may carry: each choice's engine
+/// request holds a copy, and compiling it costs the engine's step thread.
+pub const MAX_CONSTRAINT_BYTES: usize = 64 << 10;
+
+/// A constraint's text within [`MAX_CONSTRAINT_BYTES`].
+pub fn check_constraint_len(len: usize, field: &'static str) -> Result<(), ApiError> {
+    if len > MAX_CONSTRAINT_BYTES {
+        return Err(ApiError::bad_request(
+            format!("{field}: the grammar is {len} bytes, more than {MAX_CONSTRAINT_BYTES}"),
+            Some(field),
+        ));
+    }
+    Ok(())
 }
 
 /// Parses a JSON body into `T`, mapping syntax and type errors to a 400.
@@ -764,6 +787,11 @@ mod tests {
         };
         let m = r#""messages":[{"role":"user","content":"hi"}]"#;
         assert_eq!(c(&format!("{{{m}}}")), Ok(None));
+        // A grammar past the size bound is refused before any engine sees it.
+        let long = "a".repeat(MAX_CONSTRAINT_BYTES + 1);
+        assert_eq!(c(&format!(r#"{{{m},"guided_regex":"{long}"}}"#)), Err(400));
+        let fits = "a".repeat(MAX_CONSTRAINT_BYTES);
+        assert!(c(&format!(r#"{{{m},"guided_regex":"{fits}"}}"#)).is_ok());
         assert_eq!(c(&format!(r#"{{{m},"response_format":{{"type":"text"}}}}"#)), Ok(None));
         assert_eq!(
             c(&format!(r#"{{{m},"response_format":{{"type":"json_object"}}}}"#)),

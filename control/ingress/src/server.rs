@@ -589,6 +589,7 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
                         Some("tool_choice"),
                     ));
                 }
+                crate::openai::check_constraint_len(schema.len(), "tools")?;
                 c.constraint = Some(kvx_proto::Constraint::JsonSchema(schema));
             }
             tool_mode = ToolMode::new(tools, &choice).map(Arc::new);
@@ -822,17 +823,19 @@ async fn start(
         prepare(s, api, &body, &access.grant)?
     };
     let n = prep.n;
-    let mut guard = Guard::admit(s, n)?;
+    // Every engine request counts against the server's bound and the key's concurrency.
+    let weight = n.saturating_mul(prep.prompts.len().max(1));
+    let mut guard = Guard::admit(s, weight)?;
     let prompt_tokens: usize = prep.prompts.iter().map(Vec::len).sum();
     if prep.echo_only {
-        guard.admit_key(&access, prompt_tokens as u64, n)?;
+        guard.admit_key(&access, prompt_tokens as u64, weight)?;
         return Ok(echo_only(s, api, guard, prep, arrival));
     }
     if !s.dispatcher.ready() {
         guard.finish();
         return Err(ApiError::unavailable("no worker is ready"));
     }
-    guard.admit_key(&access, prompt_tokens as u64, n)?;
+    guard.admit_key(&access, prompt_tokens as u64, weight)?;
     let Prepared { params, prompts, stream, include_usage, echo, tools, .. } = prep;
     let random = RandomState::new().hash_one(s.next_id.load(Ordering::Relaxed));
     let seeds = fanout::seeds(params.sampling.seed, n, random);

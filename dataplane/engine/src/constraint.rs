@@ -103,6 +103,15 @@ impl ConstraintEnv {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
+        // Bounds on what one grammar may cost the step thread, below llguidance's defaults
+        // (which allow ~20 ms to build a lexer and ~14 ms per mask): a grammar past them is
+        // refused at admission or ends its request, and never stalls the other sequences.
+        let limits = factory.limits_mut();
+        limits.initial_lexer_fuel = 250_000;
+        limits.step_lexer_fuel = 70_000;
+        limits.step_max_items = 20_000;
+        limits.max_lexer_states = 50_000;
+        limits.max_grammar_size = 100_000;
         Ok(ConstraintEnv { factory, eog: eog.to_vec(), n_vocab: words.len() })
     }
 

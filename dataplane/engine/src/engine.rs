@@ -644,14 +644,13 @@ impl Engine {
             if let Some(seq) = self.sched.seq(c.seq) {
                 // A greedy request that reads nothing but its token needs only the first
                 // maximum of its logits (the model may then screen the head). A constrained
-                // greedy request too: when the grammar allows that maximum it is the exact
-                // choice; when it does not, the best allowed token is read from the row's
-                // other values: the screened head's fast products, within a rounding bound of
-                // the exact ones (kvx_kernels::greedy).
+                // one reads the best token its grammar allows, which need not be that
+                // maximum: it takes the exact head, so its tokens never depend on the batch.
                 let greedy_only = self.states[c.seq].as_ref().is_some_and(|st| {
                     st.params.temperature == 0.0
                         && !st.params.has_penalties()
                         && st.logprobs.is_none()
+                        && st.constraint.is_none()
                 });
                 chunks.push(SeqChunk {
                     tokens: &seq.tokens[c.start..c.start + c.len],
