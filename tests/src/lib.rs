@@ -43,6 +43,23 @@ pub fn oracle_python() -> PathBuf {
     required("KVX_ORACLE_PYTHON", "python with llama_cpp installed")
 }
 
+/// Runs a Python client of tests/clients/ (`script`) with the oracle's python and `args`;
+/// its stdout, panicking with both streams when it fails.
+pub fn python_client(script: &str, args: &[&str]) -> String {
+    let out = Command::new(oracle_python())
+        .arg(root().join("tests/clients").join(script))
+        .args(args)
+        .output()
+        .expect("running python");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// Runs `kvx` with `args` against the test model's store.
 pub fn kvx(args: &[&str]) -> Output {
     let mut cmd = Command::new(kvx_bin());

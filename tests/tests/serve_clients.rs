@@ -1,26 +1,14 @@
 //! Real clients against `kvx serve`: the official `openai` Python package (chat and
 //! completions, streaming and not), and the real model engine under concurrent streams.
 
-use std::process::Command;
-
+use kvx_e2e::python_client;
 use kvx_e2e::serve::{Endpoint, Served, http, sse_events};
-use kvx_e2e::{oracle_python, root};
 use serde_json::{Value, json};
 
 #[test]
 fn the_openai_python_client_works() {
     let s = Served::start(&["--engine", "mocker", "--speedup-ratio", "100", "--shards", "2"]);
-    let out = Command::new(oracle_python())
-        .arg(root().join("tests/clients/openai_client.py"))
-        .arg(format!("http://{}/v1", s.addr))
-        .output()
-        .expect("running python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "openai client failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = python_client("openai_client.py", &[&format!("http://{}/v1", s.addr)]);
     assert!(stdout.contains("ok: 6 checks"), "{stdout}");
 }
 

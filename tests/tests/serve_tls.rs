@@ -6,12 +6,11 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvx_e2e::python_client;
 use kvx_e2e::serve::{HttpResponse, Served, parse_response, sse_events};
-use kvx_e2e::{oracle_python, root};
 use rcgen::{
     BasicConstraints, Certificate, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair, KeyUsagePurpose,
@@ -180,17 +179,9 @@ fn the_openai_client_works_over_https_and_others_are_refused() {
     let s = serve(&["--engine", "model", "--shards", "1", "--threads-per-shard", "2"], pki.args());
     assert!(s.banner.contains("curl https://"), "{}", s.banner);
 
-    let out = Command::new(oracle_python())
-        .arg(root().join("tests/clients/openai_tls.py"))
-        .arg(format!("https://{}/v1", s.addr))
-        .arg(&pki.ca_pem)
-        .output()
-        .expect("running python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "openai client failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = python_client(
+        "openai_tls.py",
+        &[&format!("https://{}/v1", s.addr), &pki.ca_pem.display().to_string()],
     );
     assert!(stdout.contains("ok: 3 checks"), "{stdout}");
 

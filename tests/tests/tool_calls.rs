@@ -3,26 +3,14 @@
 //! and not, every answer carries a call whose arguments validate against the tool's schema;
 //! and the request errors of tools and tool_choice over raw HTTP.
 
-use std::process::Command;
-
+use kvx_e2e::python_client;
 use kvx_e2e::serve::{Served, http};
-use kvx_e2e::{oracle_python, root};
 use serde_json::{Value, json};
 
 #[test]
 fn forced_tool_calls_validate_through_the_openai_client() {
     let s = Served::start(&["--shards", "1", "--threads-per-shard", "2"]);
-    let out = Command::new(oracle_python())
-        .arg(root().join("tests/clients/tool_calls.py"))
-        .arg(format!("http://{}/v1", s.addr))
-        .output()
-        .expect("running python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "tool calls failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = python_client("tool_calls.py", &[&format!("http://{}/v1", s.addr)]);
     assert!(stdout.contains("ok: 16 calls"), "{stdout}");
 }
 
