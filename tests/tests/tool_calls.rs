@@ -56,4 +56,19 @@ fn bad_tools_and_choices_are_refused_by_name() {
     assert_eq!(ch["message"]["tool_calls"][0]["function"]["name"], "f", "{v}");
     assert_eq!(ch["message"]["tool_calls"][0]["function"]["arguments"], "{}", "{v}");
     assert!(ch["message"]["content"].is_null(), "{v}");
+
+    // A schema with definitions and references (as Pydantic writes it) compiles and is
+    // followed: the only answer is x = "yes".
+    let with_refs = json!({"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/Answer"}}, "required": ["x"],
+        "additionalProperties": false, "$defs": {"Answer": {"type": "string", "enum": ["yes"]}}}}});
+    let body = json!({"messages": msgs, "tools": [with_refs],
+                      "tool_choice": {"type": "function", "function": {"name": "g"}},
+                      "max_tokens": 64, "temperature": 0});
+    let r = http(&s.addr, "POST", "/v1/chat/completions", &[], Some(body.to_string().as_bytes()));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: Value = r.json();
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "g", "{v}");
+    assert_eq!(call["arguments"], r#"{"x":"yes"}"#, "{v}");
 }

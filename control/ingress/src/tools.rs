@@ -145,27 +145,72 @@ pub fn parse(
 }
 
 /// The schema of one call of `t`: `{"name": <t's name>, "arguments": <its parameters>}`.
-fn call_schema(t: &Tool) -> Value {
+/// The parameters' own definitions (`$defs`, `definitions`: what Pydantic writes) move to
+/// `defs` under `<tool>.<name>`, their references rewritten, because nested under
+/// `arguments` a root-relative `#/$defs/...` would no longer resolve.
+fn call_schema(t: &Tool, defs: &mut serde_json::Map<String, Value>) -> Value {
+    let mut params = t.parameters.clone();
+    if let Value::Object(p) = &mut params {
+        for key in ["$defs", "definitions"] {
+            if let Some(Value::Object(d)) = p.remove(key) {
+                for (name, def) in d {
+                    defs.insert(format!("{}.{name}", t.name), def);
+                }
+            }
+        }
+    }
+    rewrite_refs(&mut params, &t.name);
+    for (k, v) in defs.iter_mut() {
+        if k.starts_with(&format!("{}.", t.name)) {
+            rewrite_refs(v, &t.name);
+        }
+    }
     json!({
         "type": "object",
         "properties": {
             "name": {"const": t.name},
-            "arguments": t.parameters,
+            "arguments": params,
         },
         "required": ["name", "arguments"],
         "additionalProperties": false,
     })
 }
 
+/// Points `#/$defs/X` and `#/definitions/X` references at `#/$defs/<tool>.X`.
+fn rewrite_refs(v: &mut Value, tool: &str) {
+    match v {
+        Value::Object(m) => {
+            if let Some(Value::String(r)) = m.get_mut("$ref") {
+                let name = r.strip_prefix("#/$defs/").or_else(|| r.strip_prefix("#/definitions/"));
+                if let Some(name) = name {
+                    *r = format!("#/$defs/{tool}.{name}");
+                }
+            }
+            for (_, x) in m.iter_mut() {
+                rewrite_refs(x, tool);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rewrite_refs(x, tool)),
+        _ => {}
+    }
+}
+
 /// The JSON schema a forced call must match (`required`: a call of any tool; named: a call
 /// of that one), as JSON text; `None` when nothing is forced.
 pub fn forced_schema(tools: &[Tool], choice: &ToolChoice) -> Option<String> {
-    let schema = match choice {
+    let mut defs = serde_json::Map::new();
+    let mut schema = match choice {
         ToolChoice::None | ToolChoice::Auto => return None,
-        ToolChoice::Named(n) => call_schema(tools.iter().find(|t| &t.name == n)?),
-        ToolChoice::Required if tools.len() == 1 => call_schema(&tools[0]),
-        ToolChoice::Required => json!({"anyOf": tools.iter().map(call_schema).collect::<Vec<_>>()}),
+        ToolChoice::Named(n) => call_schema(tools.iter().find(|t| &t.name == n)?, &mut defs),
+        ToolChoice::Required if tools.len() == 1 => call_schema(&tools[0], &mut defs),
+        ToolChoice::Required => {
+            let calls: Vec<Value> = tools.iter().map(|t| call_schema(t, &mut defs)).collect();
+            json!({"anyOf": calls})
+        }
     };
+    if !defs.is_empty() {
+        schema["$defs"] = Value::Object(defs);
+    }
     Some(schema.to_string())
 }
 
@@ -451,6 +496,33 @@ mod tests {
         // Multi-byte text next to the tag's first byte.
         let (out, rest, _) = stream(&auto, &["héllo ", "wörld<"]);
         assert_eq!(out + rest.as_deref().unwrap_or(""), "héllo wörld<");
+    }
+
+    #[test]
+    fn definitions_move_to_the_root_and_references_follow() {
+        // Two tools whose parameters each define `Item` (as Pydantic writes them).
+        let tools = json!([
+            {"type": "function", "function": {"name": "a", "parameters": {
+                "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}},
+                "$defs": {"Item": {"type": "object", "properties": {"k": {"$ref": "#/$defs/Leaf"}}},
+                          "Leaf": {"type": "integer"}}}}},
+            {"type": "function", "function": {"name": "b", "parameters": {
+                "type": "object", "properties": {"y": {"$ref": "#/definitions/Item"}},
+                "definitions": {"Item": {"type": "string"}}}}}]);
+        let (t, _) = parse(Some(&tools), None).unwrap();
+        let s: Value =
+            serde_json::from_str(&forced_schema(&t, &ToolChoice::Required).unwrap()).unwrap();
+        let defs = s["$defs"].as_object().unwrap();
+        assert_eq!(defs.len(), 3, "{s}");
+        assert_eq!(defs["b.Item"], json!({"type": "string"}));
+        assert_eq!(defs["a.Item"]["properties"]["k"]["$ref"], "#/$defs/a.Leaf");
+        let args = &s["anyOf"][0]["properties"]["arguments"];
+        assert_eq!(args["properties"]["x"]["$ref"], "#/$defs/a.Item");
+        assert!(args.get("$defs").is_none(), "{args}");
+        assert_eq!(
+            s["anyOf"][1]["properties"]["arguments"]["properties"]["y"]["$ref"],
+            "#/$defs/b.Item"
+        );
     }
 
     #[test]
