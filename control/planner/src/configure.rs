@@ -331,6 +331,26 @@ impl Settings {
     }
 }
 
+/// Writes `text` to `path` as a settings file: readable by owner and group only (it may name
+/// key files), its directory created, replaced whole (written aside, then renamed).
+pub fn write_settings(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o640)
+        .open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
 /// systemd's `EnvironmentFile=` quoting: plain when safe, else double quotes with `\` escapes.
 fn env_quote(v: &str) -> String {
     if !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric() || "/._-:,@+=".contains(c)) {
@@ -452,6 +472,20 @@ mod tests {
         let s = plan(shape, &r).unwrap();
         assert_eq!(get(&s, "KVX_FRONTEND"), None);
         assert_eq!(get(&s, "KVX_DISCOVERY"), Some("etcd"));
+    }
+
+    #[test]
+    fn settings_files_are_private_and_replaced_whole() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("kvx-configure-{}", std::process::id()));
+        let path = dir.join("etc/kvx.env");
+        write_settings(&path, "KVX_PORT=1\n").unwrap();
+        write_settings(&path, "KVX_PORT=2\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "KVX_PORT=2\n");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o640);
+        assert!(!path.with_extension("tmp").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -1,12 +1,12 @@
 //! `kvx configure`: writes a deployment's `KVX_*` settings for this host (flags and wiring;
-//! the decisions live in kvx-planner's `configure`).
+//! the decisions and the file writing live in kvx-planner's `configure`).
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
-use kvx_planner::configure::{HostShape, Layout, Request, plan};
+use kvx_planner::configure::{HostShape, Layout, Request, plan, write_settings};
 
 #[derive(Debug, Args)]
 pub(crate) struct ConfigureArgs {
@@ -84,27 +84,8 @@ pub(crate) fn run(a: ConfigureArgs) -> Result<()> {
     match a.out {
         None => print!("{text}"),
         Some(path) => {
-            write_private(&path, &text).with_context(|| format!("writing {}", path.display()))?
+            write_settings(&path, &text).with_context(|| format!("writing {}", path.display()))?
         }
     }
     Ok(())
-}
-
-/// Writes `text` to `path` readable by owner and group only (it may name key files).
-fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o640)
-        .open(&tmp)?;
-    f.write_all(text.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
 }
