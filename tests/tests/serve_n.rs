@@ -1,6 +1,6 @@
 //! `n` choices per prompt and `echo` on `kvx serve`: response shapes on the mocker (indexes in
 //! whole responses and in SSE chunks, usage counting the prompt once, list prompts × n, the
-//! bounds, `echo` alone and with `max_tokens: 0`, a key's concurrency counting every choice,
+//! bounds, `echo` alone, with `logprobs` and with `max_tokens: 0`, a key's concurrency counting every choice,
 //! and a client that hangs up cancelling every choice), and on the model's kernels eight
 //! seeded choices of a 1,000-token prompt whose prefill is computed once (engine counters).
 
@@ -187,12 +187,16 @@ fn list_prompts_times_n_and_echo() {
     let text = v["choices"][0]["text"].as_str().expect("text");
     assert!(text.starts_with("Hello world"), "{text:?}");
 
-    // echo with logprobs needs prompt log-probabilities.
-    let m = bad_request(
-        &s.post("/v1/completions", &json!({"prompt": "Hi", "echo": true, "logprobs": 1})),
-        "echo",
-    );
-    assert!(m.contains("echo with logprobs"), "{m}");
+    // echo with logprobs: the prompt's tokens with their scores (the first has none), then
+    // the generated token's (the model's scores are checked in prompt_logprobs.rs).
+    let body = json!({"prompt": ids, "echo": true, "logprobs": 1, "max_tokens": 1, "n": 2});
+    let v = ok(&s.post("/v1/completions", &body));
+    let n_ids = ids.as_array().map_or(0, Vec::len);
+    for c in v["choices"].as_array().expect("choices") {
+        let lp = &c["logprobs"]["token_logprobs"];
+        assert_eq!(lp.as_array().map(Vec::len), Some(n_ids + 1), "{v}");
+        assert!(lp[0].is_null() && lp[1].is_f64(), "{v}");
+    }
 
     // echo with max_tokens 0: the prompt alone, ended by length, nothing generated.
     let body = json!({"prompt": prompts, "max_tokens": 0, "echo": true, "n": 2});

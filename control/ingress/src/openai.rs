@@ -352,12 +352,6 @@ impl ChatRequest {
 impl CompletionRequest {
     /// The shared fields.
     pub fn common(&self) -> Result<Common, ApiError> {
-        if self.echo.unwrap_or(false) && self.logprobs.is_some() {
-            return Err(ApiError::bad_request(
-                "echo with logprobs needs prompt log-probabilities, not supported yet",
-                Some("echo"),
-            ));
-        }
         if self.best_of.is_some_and(|b| b != 1 && Some(b) != self.n) {
             return Err(ApiError::bad_request("best_of must be 1 or equal to n", Some("best_of")));
         }
@@ -540,6 +534,8 @@ pub struct Params {
     pub logprobs: Option<u32>,
     /// The grammar of the output.
     pub constraint: Option<Constraint>,
+    /// Alternatives per scored prompt token (`echo` with `logprobs`; `None` = not scored).
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Common {
@@ -615,6 +611,7 @@ impl Common {
             },
             logprobs: self.logprobs,
             constraint: self.constraint.clone(),
+            prompt_logprobs: None,
         })
     }
 }
@@ -669,6 +666,7 @@ impl Params {
             kv: Default::default(),
             resume: Vec::new(),
             constraint: self.constraint.clone(),
+            prompt_logprobs: self.prompt_logprobs,
         })
     }
 }
@@ -768,9 +766,9 @@ mod tests {
     }
 
     #[test]
-    fn echo_with_logprobs_is_refused_and_best_of_may_equal_n() {
+    fn echo_with_logprobs_is_taken_and_best_of_may_equal_n() {
         let r: CompletionRequest = parse(br#"{"prompt":"a","echo":true,"logprobs":1}"#).unwrap();
-        assert!(r.common().unwrap_err().message.contains("echo with logprobs"));
+        assert_eq!(r.common().unwrap().logprobs, Some(1));
         let r: CompletionRequest = parse(br#"{"prompt":"a","echo":true,"max_tokens":0}"#).unwrap();
         assert_eq!(r.common().unwrap().max_tokens, Some(0));
         let r: CompletionRequest = parse(br#"{"prompt":"a","n":3,"best_of":3}"#).unwrap();

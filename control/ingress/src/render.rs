@@ -93,6 +93,23 @@ impl LogprobAcc {
         }
     }
 
+    /// Adds a token without a log-probability (a prompt's first): `null` in its place.
+    pub fn push_unscored(&mut self, api: Api, tok: &Tokenizer, id: u32) {
+        let (text, bytes) = piece(tok, id);
+        match api {
+            Api::Chat => self.entries.push(json!({
+                "token": text, "logprob": null, "bytes": bytes, "top_logprobs": [],
+            })),
+            Api::Completions => {
+                self.offsets.push(json!(self.offset));
+                self.offset += text.chars().count();
+                self.tokens.push(json!(text));
+                self.token_logprobs.push(Value::Null);
+                self.tops.push(Value::Null);
+            }
+        }
+    }
+
     /// Whether nothing was added.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty() && self.tokens.is_empty()

@@ -292,6 +292,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/tokenizer_info", get(tokenizer_info))
         .route("/health", get(health))
         .route("/live", get(health))
         .route("/ready", get(ready))
@@ -500,6 +501,29 @@ async fn detokenize(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body
     }
 }
 
+/// `GET /tokenizer_info`: the tokenizer's special tokens, limits and chat template, in vLLM's
+/// shape (clients that tokenize through `/tokenize` read it first).
+async fn tokenizer_info(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let tok = &s.model.tokenizer;
+    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_owned);
+    let v = json!({
+        "tokenizer_class": "kvx",
+        "description": tok.description(),
+        "bos_token": text(tok.bos_id()),
+        "eos_token": text(tok.eos_id()),
+        "pad_token": null,
+        "add_bos_token": tok.add_bos(),
+        "add_eos_token": tok.add_eos(),
+        "vocab_size": tok.vocab_size(),
+        "model_max_length": s.model.context_length,
+        "chat_template": tok.chat_template().map(|t| t.source()),
+    });
+    json_response(StatusCode::OK, v.to_string())
+}
+
 /// The key of `Authorization: Bearer KEY` (or of a bare `Authorization: KEY`).
 fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
     let v = headers.get(header::AUTHORIZATION)?.as_bytes();
@@ -568,6 +592,9 @@ struct Prepared {
     echo: Option<Vec<Arc<str>>>,
     /// `echo` with `max_tokens: 0`: the prompts are the whole answer, no engine request.
     echo_only: bool,
+    /// `echo` with `logprobs` and `max_tokens: 0` (a scored prompt, lm-eval's way to score
+    /// a text): one token is generated, for the engine's sake, and left out of the answer.
+    score_only: bool,
     /// A chat request's tools (calls are parsed out of the answers).
     tools: Option<Arc<ToolMode>>,
 }
@@ -610,13 +637,18 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
             (c, prompts)
         }
     };
-    // `echo` with `max_tokens: 0` (lm-eval's way to score a text) asks for nothing generated;
-    // the other fields are still checked.
-    let echo_only = echo.is_some() && common.max_tokens == Some(0);
-    if echo_only {
-        common.max_tokens = None;
+    // `echo` with `max_tokens: 0` asks for nothing generated (the other fields are still
+    // checked); with `logprobs` too it asks for the prompt's scores alone.
+    let nothing = echo.is_some() && common.max_tokens == Some(0);
+    let (echo_only, score_only) = (nothing && common.logprobs.is_none(), nothing);
+    if nothing {
+        common.max_tokens = if echo_only { None } else { Some(1) };
     }
-    let params = common.params()?;
+    let mut params = common.params()?;
+    if echo.is_some() {
+        params.prompt_logprobs = params.logprobs;
+    }
+    let score_only = score_only && !echo_only;
     Ok(Prepared {
         params,
         prompts,
@@ -625,6 +657,7 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
         n: common.n.unwrap_or(1).max(1) as usize,
         echo,
         echo_only,
+        score_only,
         tools: tool_mode,
     })
 }
@@ -836,7 +869,10 @@ async fn start(
         return Err(ApiError::unavailable("no worker is ready"));
     }
     guard.admit_key(&access, prompt_tokens as u64, weight)?;
-    let Prepared { params, prompts, stream, include_usage, echo, tools, .. } = prep;
+    let Prepared { params, prompts, stream, include_usage, echo, tools, score_only, .. } = prep;
+    // A scored prompt's answer lists its tokens.
+    let scored: Option<Vec<Arc<[TokenId]>>> =
+        params.prompt_logprobs.map(|_| prompts.iter().map(|p| Arc::from(p.as_slice())).collect());
     let random = RandomState::new().hash_one(s.next_id.load(Ordering::Relaxed));
     let seeds = fanout::seeds(params.sampling.seed, n, random);
     // One engine request per choice, in index order (prompt-major).
@@ -868,7 +904,10 @@ async fn start(
             match guard.submit(r) {
                 Ok(rx) => {
                     let echo = echo.as_ref().and_then(|e| e.get(prompt)).cloned();
-                    slots[k] = Some(Sub::new(rx, k, j, echo));
+                    let mut sub = Sub::new(rx, k, j, echo);
+                    sub.scored = scored.as_ref().and_then(|v| v.get(prompt)).cloned();
+                    sub.score_only = score_only;
+                    slots[k] = Some(sub);
                     started.push(k);
                 }
                 Err(e) => {
@@ -918,13 +957,21 @@ async fn start(
                 None => sub.rx.recv().await,
             };
             match msg {
+                Some(Output::PromptLogprobs { start, logprobs }) => {
+                    sub.prompt_scores(start, logprobs);
+                }
                 Some(Output::Delta(d)) => {
                     ctx.on_tokens(sub, d.tokens.len());
                     guard.produced(d.tokens.len());
-                    text.push_str(&d.text);
-                    ctx.add_logprobs(&mut lp, &d.tokens, &d.logprobs);
+                    ctx.add_prompt_logprobs(sub, &mut lp);
+                    if !sub.score_only {
+                        text.push_str(&d.text);
+                        ctx.add_logprobs(&mut lp, &d.tokens, &d.logprobs);
+                    }
                 }
                 Some(Output::Finished { reason, usage }) => {
+                    ctx.add_prompt_logprobs(sub, &mut lp);
+                    let (reason, usage) = sub.finished(reason, usage);
                     ctx.on_finish(sub.choice, reason, &usage);
                     total.add(sub.choice, &usage);
                     let logprobs = want_logprobs.map(|_| lp.take(api));
@@ -1019,6 +1066,15 @@ struct Sub {
     echo: Option<Arc<str>>,
     /// Its streamed text split into content and tool calls (chat with tools).
     split: StreamSplit,
+    /// A scored prompt's tokens (`echo` with `logprobs`): the answer's log-probabilities
+    /// start with them.
+    scored: Option<Arc<[TokenId]>>,
+    /// The scores of prompt tokens 1.. received so far.
+    prompt_lp: Vec<kvx_proto::Logprob>,
+    /// Whether the prompt's tokens went into the answer (later scores are ignored).
+    prompt_done: bool,
+    /// The generated token is not part of the answer (`max_tokens: 0`).
+    score_only: bool,
 }
 
 impl Sub {
@@ -1038,6 +1094,33 @@ impl Sub {
             choice,
             echo,
             split: StreamSplit::default(),
+            scored: None,
+            prompt_lp: Vec::new(),
+            prompt_done: false,
+            score_only: false,
+        }
+    }
+
+    /// Scores of prompt tokens `start..`; those of a placement that started over replace
+    /// the earlier ones from `start` on.
+    fn prompt_scores(&mut self, start: u32, logprobs: Vec<kvx_proto::Logprob>) {
+        let Some(p) = &self.scored else { return };
+        if self.prompt_done {
+            return;
+        }
+        let keep = (start as usize).saturating_sub(1).min(self.prompt_lp.len());
+        self.prompt_lp.truncate(keep);
+        self.prompt_lp.extend(logprobs);
+        self.prompt_lp.truncate(p.len().saturating_sub(1));
+    }
+
+    /// The end as the client sees it: a request for no generated tokens ended by length,
+    /// having generated none.
+    fn finished(&self, reason: FinishReason, usage: Usage) -> (FinishReason, Usage) {
+        if self.score_only && reason != FinishReason::Cancelled {
+            (FinishReason::Length, Usage { completion_tokens: 0, ..usage })
+        } else {
+            (reason, usage)
         }
     }
 
@@ -1122,6 +1205,21 @@ impl Ctx {
         m.finished(reason.as_str());
     }
 
+    /// Puts a scored prompt's tokens and their scores (the first has none) into `acc`, once.
+    fn add_prompt_logprobs(&self, sub: &mut Sub, acc: &mut LogprobAcc) {
+        let Some(p) = sub.scored.as_ref().filter(|_| !sub.prompt_done) else { return };
+        sub.prompt_done = true;
+        let tok = &self.shared.model.tokenizer;
+        let n = self.logprobs.unwrap_or(0);
+        for (i, &t) in p.iter().enumerate() {
+            match i.checked_sub(1).and_then(|k| sub.prompt_lp.get(k)) {
+                Some(lp) => acc.push(self.api, tok, t, lp, n),
+                None => acc.push_unscored(self.api, tok, t),
+            }
+        }
+        sub.prompt_lp = Vec::new();
+    }
+
     fn add_logprobs(&self, acc: &mut LogprobAcc, tokens: &[u32], lps: &[kvx_proto::Logprob]) {
         if let Some(n) = self.logprobs {
             let tok = &self.shared.model.tokenizer;
@@ -1147,14 +1245,28 @@ impl SseBody {
     /// Writes one output of choice `i`.
     fn write(&mut self, buf: &mut BytesMut, i: usize, out: Output) {
         let Some(sub) = self.subs.get_mut(i) else { return };
+        if let Output::PromptLogprobs { start, logprobs } = out {
+            // They go out with the echoed prompt, before the first token.
+            sub.prompt_scores(start, logprobs);
+            return;
+        }
         if !sub.started {
             sub.started = true;
             self.writer.role(buf, sub.index);
-            if let Some(e) = &sub.echo {
-                self.writer.delta(buf, sub.index, e, None);
+            if let Some(e) = sub.echo.clone() {
+                let lp = sub.scored.is_some().then(|| {
+                    let mut acc = LogprobAcc::default();
+                    self.ctx.add_prompt_logprobs(sub, &mut acc);
+                    acc.take(self.ctx.api)
+                });
+                self.writer.delta(buf, sub.index, &e, lp.as_ref());
             }
         }
         match out {
+            Output::Delta(d) if sub.score_only => {
+                self.ctx.on_tokens(sub, d.tokens.len());
+                self.guard.produced(d.tokens.len());
+            }
             Output::Delta(d) => {
                 self.ctx.on_tokens(sub, d.tokens.len());
                 self.guard.produced(d.tokens.len());
@@ -1175,6 +1287,7 @@ impl SseBody {
             }
             Output::Finished { reason, usage } => {
                 sub.done = true;
+                let (reason, usage) = sub.finished(reason, usage);
                 self.ctx.on_finish(sub.choice, reason, &usage);
                 self.total.add(sub.choice, &usage);
                 let Some(mode) = &self.ctx.tools else {
@@ -1197,7 +1310,7 @@ impl SseBody {
                 self.writer.error(buf, &ApiError::from_class(class, message).json());
                 self.fail();
             }
-            Output::Kv(_) => {}
+            Output::Kv(_) | Output::PromptLogprobs { .. } => {}
         }
     }
 

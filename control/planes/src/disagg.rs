@@ -206,7 +206,7 @@ pub async fn relay<L: Legs>(
         Some(Output::Kv(KvNote::Sent(_))) => None,
         Some(other) => {
             // The decode worker refused or ended the request at once.
-            let end = !matches!(other, Output::Delta(_));
+            let end = !matches!(other, Output::Delta(_) | Output::PromptLogprobs { .. });
             let _ = client.send(other);
             if end {
                 legs.decode_ended(id);
@@ -262,7 +262,7 @@ pub async fn relay<L: Legs>(
                 break;
             }
             Some(o) => {
-                let end = !matches!(o, Output::Delta(_));
+                let end = !matches!(o, Output::Delta(_) | Output::PromptLogprobs { .. });
                 if client.send(o).is_err() {
                     legs.cancel_on(decode, id);
                     break;

@@ -26,7 +26,7 @@ use crate::constraint::{ConstraintEnv, SeqConstraint};
 use crate::output::OutputState;
 use crate::sampler::{Sampler, SamplerState, SamplingParams};
 use crate::scheduler::{
-    AddError, LowerTiers, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqStatus,
+    AddError, LowerTiers, SCORE_ROWS, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqStatus,
 };
 
 /// What computes a step: fills one row of logits per chunk that wants one (`logits`), in order.
@@ -151,6 +151,20 @@ pub struct SeqEvent {
     /// A prefill-only request's prompt is computed: its blocks ([`Engine::blocks_of`]) are
     /// held until [`Engine::release`].
     pub prefilled: bool,
+    /// Scores of its prompt tokens `prompt_start..` in [`StepOutput::prompt`] (a scored
+    /// prompt, [`GenerateRequest::prompt_logprobs`]); such an event has no token.
+    pub prompt: Range<usize>,
+    /// Index of the prompt token `prompt` starts at.
+    pub prompt_start: u32,
+}
+
+/// A prompt token's score in a step's output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptScore {
+    /// Its log-probability given the tokens before it.
+    pub logprob: f32,
+    /// The most likely tokens there, in [`StepOutput::top`].
+    pub top: Range<usize>,
 }
 
 /// How [`Engine::add`] took a request.
@@ -179,6 +193,8 @@ pub struct StepOutput {
     pub text: String,
     /// Logprob alternatives arena.
     pub top: Vec<TopLogprob>,
+    /// Prompt scores arena.
+    pub prompt: Vec<PromptScore>,
     /// Tokens computed in the step (prefill and decode).
     pub num_tokens: usize,
 }
@@ -188,6 +204,7 @@ impl StepOutput {
         self.events.clear();
         self.text.clear();
         self.top.clear();
+        self.prompt.clear();
         self.num_tokens = 0;
     }
 
@@ -226,6 +243,10 @@ struct SeqState {
     counted_admission: bool,
     /// The grammar its output follows (structured outputs).
     constraint: Option<Box<SeqConstraint>>,
+    /// Alternatives per scored prompt token (`None`: the prompt is not scored).
+    prompt_logprobs: Option<u32>,
+    /// The next prompt token to score (token 0 has no score).
+    next_score: usize,
 }
 
 /// Engine settings.
@@ -281,7 +302,7 @@ impl Engine {
         let slots = cfg.sched.max_num_seqs + cfg.sched.max_waiting;
         let sched = Scheduler::new(cfg.sched.clone(), backend.n_blocks());
         Engine {
-            logits: vec![0.0; cfg.sched.max_num_seqs * n_vocab],
+            logits: vec![0.0; (cfg.sched.max_num_seqs + SCORE_ROWS) * n_vocab],
             sampler: Sampler::new(n_vocab),
             states: (0..slots).map(|_| None).collect(),
             by_id: HashMap::with_capacity(slots),
@@ -289,7 +310,8 @@ impl Engine {
             out: StepOutput {
                 events: Vec::with_capacity(2 * slots),
                 text: String::with_capacity(64 * slots + 4096),
-                top: Vec::with_capacity(20 * cfg.sched.max_num_seqs),
+                top: Vec::with_capacity(20 * (cfg.sched.max_num_seqs + SCORE_ROWS)),
+                prompt: Vec::with_capacity(SCORE_ROWS),
                 num_tokens: 0,
             },
             chunk_buf: Vec::with_capacity(2 * slots),
@@ -417,9 +439,11 @@ impl Engine {
                 "stop strings need a tokenizer; this engine has none".into(),
             ));
         }
-        if req.logprobs.is_some_and(|n| n > 20) {
+        if req.logprobs.is_some_and(|n| n > 20) || req.prompt_logprobs.is_some_and(|n| n > 20) {
             return Err(EngineError::BadRequest("top_logprobs must be at most 20".into()));
         }
+        // A scored prompt is computed here, whole (a prefill engine's part scores nothing).
+        let prompt_logprobs = req.prompt_logprobs.filter(|_| !prefill_only);
         let mut constraint = match &req.constraint {
             Some(c) if !prefill_only => Some(Box::new(self.compile(c)?)),
             _ => None,
@@ -460,6 +484,9 @@ impl Engine {
             KvRole::PrefillTo(_) => {
                 (self.sched.add_prefill_only(req.id, &req.prompt, seed), Admission::Queued)
             }
+            KvRole::AwaitKv if prompt_logprobs.is_some() => {
+                (self.sched.add(req.id, &req.prompt, max_tokens, seed), Admission::NotReserved)
+            }
             KvRole::AwaitKv => match self.sched.reserve(req.id, &req.prompt, max_tokens, seed) {
                 Ok(Some(sid)) => {
                     let (first_block, blocks) = self.sched.reserved(sid).unwrap_or((0, &[]));
@@ -472,6 +499,10 @@ impl Engine {
             },
         };
         let sid = sid.map_err(class)?;
+        if prompt_logprobs.is_some() && !self.sched.score_prompt(sid) {
+            self.sched.remove(sid);
+            return Err(EngineError::Internal("a scored prompt could not be queued".into()));
+        }
         self.seed_counter =
             self.seed_counter.wrapping_mul(6364136223846793005).wrapping_add(req.id.0 | 1);
         let mut output = OutputState::new(req.stop.clone());
@@ -496,6 +527,8 @@ impl Engine {
             arrival: Instant::now(),
             counted_admission: false,
             constraint,
+            prompt_logprobs,
+            next_score: 1,
         });
         self.by_id.insert(req.id, sid);
         Ok(admission)
@@ -579,6 +612,8 @@ impl Engine {
                     kv_transfer_us: 0,
                 },
                 prefilled: true,
+                prompt: 0..0,
+                prompt_start: 0,
             });
         }
     }
@@ -623,6 +658,8 @@ impl Engine {
                 finish: Some(FinishReason::Cancelled),
                 usage,
                 prefilled: false,
+                prompt: 0..0,
+                prompt_start: 0,
             });
             self.stats.finished += 1;
         }
@@ -656,10 +693,11 @@ impl Engine {
                     tokens: &seq.tokens[c.start..c.start + c.len],
                     start_pos: c.start,
                     block_table: &seq.blocks,
-                    logits: match (c.logits, greedy_only) {
-                        (false, _) => Logits::Skip,
-                        (true, true) => Logits::Argmax,
-                        (true, false) => Logits::Full,
+                    logits: match (c.all, c.logits, greedy_only) {
+                        (true, _, _) => Logits::All,
+                        (false, false, _) => Logits::Skip,
+                        (false, true, true) => Logits::Argmax,
+                        (false, true, false) => Logits::Full,
                     },
                     mode: c.mode,
                 });
@@ -673,15 +711,22 @@ impl Engine {
 
         // Sample every sequence that produced logits.
         let n_vocab = self.backend.n_vocab();
-        let tok = self.tokenizer.as_deref();
+        // A handle of its own (no allocation), so that `self` stays free to borrow.
+        let tokenizer = self.tokenizer.clone();
+        let tok = tokenizer.as_deref();
         let mut row_index = 0;
         for ci in 0..self.plan.chunks.len() {
             let c = self.plan.chunks[ci];
+            let first_row = row_index;
+            row_index += c.rows();
+            if c.all {
+                self.score_prompt(&c, first_row);
+            }
             if !c.logits {
                 continue;
             }
-            let row = &mut self.logits[row_index * n_vocab..(row_index + 1) * n_vocab];
-            row_index += 1;
+            let last = row_index - 1;
+            let row = &mut self.logits[last * n_vocab..(last + 1) * n_vocab];
             let (Some(st), Some(seq)) = (self.states[c.seq].as_mut(), self.sched.seq(c.seq)) else {
                 continue;
             };
@@ -711,6 +756,8 @@ impl Engine {
                         kv_transfer_us: 0,
                     },
                     prefilled: false,
+                    prompt: 0..0,
+                    prompt_start: 0,
                 });
                 self.by_id.remove(&id);
                 self.sched.remove(c.seq);
@@ -763,6 +810,8 @@ impl Engine {
                 finish,
                 usage,
                 prefilled: false,
+                prompt: 0..0,
+                prompt_start: 0,
             });
             if finish.is_some() {
                 self.by_id.remove(&id);
@@ -773,6 +822,55 @@ impl Engine {
         }
         self.last_step_ms = t0.elapsed().as_secs_f32() * 1e3;
         Ok(&self.out)
+    }
+
+    /// Scores the prompt tokens that the rows of a scored chunk (from row `first_row` on)
+    /// predict and that were not scored before (a preempted prompt is computed again), as
+    /// one event.
+    fn score_prompt(&mut self, c: &crate::scheduler::Chunk, first_row: usize) {
+        let n_vocab = self.backend.n_vocab();
+        let (Some(st), Some(seq)) = (self.states[c.seq].as_mut(), self.sched.seq(c.seq)) else {
+            return;
+        };
+        let Some(n) = st.prompt_logprobs else { return };
+        let start = st.next_score;
+        let prompt_start = self.out.prompt.len();
+        for j in 0..c.len {
+            // The row of position p predicts token p + 1.
+            let next = c.start + j + 1;
+            if next != st.next_score || next >= seq.prompt_len {
+                continue;
+            }
+            let r = first_row + j;
+            let row = &self.logits[r * n_vocab..(r + 1) * n_vocab];
+            let logprob = self.sampler.score(row, seq.tokens[next], n as usize, &mut self.top_buf);
+            let top_start = self.out.top.len();
+            self.out
+                .top
+                .extend(self.top_buf.iter().map(|&(token, logprob)| TopLogprob { token, logprob }));
+            self.out.prompt.push(PromptScore { logprob, top: top_start..self.out.top.len() });
+            st.next_score += 1;
+        }
+        if self.out.prompt.len() == prompt_start {
+            return;
+        }
+        self.out.events.push(SeqEvent {
+            id: st.id,
+            token: None,
+            logprob: 0.0,
+            top: 0..0,
+            text: 0..0,
+            finish: None,
+            usage: Usage {
+                prompt_tokens: seq.prompt_len as u32,
+                completion_tokens: 0,
+                cached_tokens: seq.cached_prompt as u32,
+                kv_transfer_us: 0,
+            },
+            prefilled: false,
+            prompt: prompt_start..self.out.prompt.len(),
+            prompt_start: start as u32,
+        });
     }
 
     /// Time since a request arrived (for queue-time metrics).

@@ -6,6 +6,7 @@
 pub mod block_pool;
 pub mod constraint;
 pub mod engine;
+pub mod eval;
 pub mod mocker;
 pub mod output;
 pub mod sampler;
@@ -15,7 +16,8 @@ use kvx_kernels::model::ModelError;
 use kvx_proto::ErrorClass;
 
 pub use engine::{
-    Admission, Backend, Engine, EngineConfig, EngineStats, ModelBackend, SeqEvent, StepOutput,
+    Admission, Backend, Engine, EngineConfig, EngineStats, ModelBackend, PromptScore, SeqEvent,
+    StepOutput,
 };
 pub use scheduler::LowerTiers;
 

@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvx_kernels::model::{AttnMode, SeqChunk};
+use kvx_kernels::model::{AttnMode, Logits, SeqChunk};
 
 use crate::EngineError;
 use crate::engine::Backend;
@@ -98,12 +98,18 @@ impl Backend for MockBackend {
         let usage = blocks as f64 / self.cfg.n_blocks.max(1) as f64;
         let ms = Self::step_ms(prefill, usage, decodes) / self.cfg.speedup.max(1e-9);
         let v = self.cfg.n_vocab;
-        for (row, c) in chunks.iter().filter(|c| c.logits.wanted()).enumerate() {
-            let out = logits
-                .get_mut(row * v..(row + 1) * v)
-                .ok_or_else(|| EngineError::Internal("logits buffer too small".into()))?;
-            let seed = c.tokens.first().copied().unwrap_or(0);
-            self.fill_logits(out, c.start_pos + c.tokens.len(), seed);
+        let mut row = 0;
+        for c in chunks.iter().filter(|c| c.logits.wanted()) {
+            // A scored chunk has a row per token; the others one for their last.
+            let first = if c.logits == Logits::All { 1 } else { c.tokens.len() };
+            for end in first..=c.tokens.len() {
+                let out = logits
+                    .get_mut(row * v..(row + 1) * v)
+                    .ok_or_else(|| EngineError::Internal("logits buffer too small".into()))?;
+                let seed = c.tokens.first().copied().unwrap_or(0);
+                self.fill_logits(out, c.start_pos + end, seed);
+                row += 1;
+            }
         }
         // Wait out the simulated step, measured from the end of the previous one so that
         // engine overhead is part of the budget rather than added to it.

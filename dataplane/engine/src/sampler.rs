@@ -287,7 +287,30 @@ impl Sampler {
             return;
         }
         let (_, best) = argmax(logits);
+        self.top_under(logits, log_sum_exp(logits, best), n, out);
+    }
+
+    /// The log-probability of `token` under `logits` (a prompt token's score), with the `n`
+    /// most likely tokens in `out` as [`Sampler::top_logprobs`] gives them: one normalizer
+    /// for both, so the token has the same value in both when it is among them.
+    pub fn score(
+        &mut self,
+        logits: &[f32],
+        token: u32,
+        n: usize,
+        out: &mut Vec<(u32, f32)>,
+    ) -> f32 {
+        out.clear();
+        let Some(&l) = logits.get(token as usize) else { return f32::NEG_INFINITY };
+        let (_, best) = argmax(logits);
         let lse = log_sum_exp(logits, best);
+        if n > 0 {
+            self.top_under(logits, lse, n, out);
+        }
+        l - lse
+    }
+
+    fn top_under(&mut self, logits: &[f32], lse: f32, n: usize, out: &mut Vec<(u32, f32)>) {
         self.idx.clear();
         self.idx.extend(0..logits.len() as u32);
         let n = n.min(logits.len());

@@ -149,6 +149,10 @@ pub struct Sequence {
     pub status: SeqStatus,
     /// What it is for.
     pub kind: SeqKind,
+    /// Its prompt is scored ([`Scheduler::score_prompt`]): every prompt token produces
+    /// logits, so it is computed whole (no prefix-cache hits) in chunks of at most
+    /// [`SCORE_ROWS`] tokens.
+    pub score_prompt: bool,
     hasher: BlockHasher,
     hashes: Vec<(LocalBlockHash, SequenceHash)>,
     registered: usize,
@@ -184,7 +188,21 @@ pub struct Chunk {
     pub mode: AttnMode,
     /// Whether the chunk ends at the sequence's last token (its logits are sampled).
     pub logits: bool,
+    /// Whether every token of the chunk produces logits (a scored prompt's chunk).
+    pub all: bool,
 }
+
+impl Chunk {
+    /// Rows of logits the chunk produces.
+    pub fn rows(&self) -> usize {
+        if self.all { self.len } else { usize::from(self.logits) }
+    }
+}
+
+/// Rows of logits the chunks of scored prompts produce in one step, at most (they bound the
+/// chunks of such prompts; the engine's logits buffer holds this many rows beside one per
+/// sequence).
+pub const SCORE_ROWS: usize = 64;
 
 /// One step's plan (reused across steps).
 #[derive(Debug, Default)]
@@ -370,6 +388,22 @@ impl Scheduler {
         self.waiting.push_back(sid);
         self.new_waiting += 1;
         Ok(sid)
+    }
+
+    /// Marks a queued, never admitted generating sequence as scoring its prompt (see
+    /// [`Sequence::score_prompt`]); false if it is not one.
+    pub fn score_prompt(&mut self, sid: SeqId) -> bool {
+        match self.seqs.get_mut(sid).and_then(Option::as_mut) {
+            Some(seq)
+                if seq.kind == SeqKind::Generate
+                    && seq.status == SeqStatus::Waiting
+                    && !seq.admitted_once =>
+            {
+                seq.score_prompt = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Reserves blocks for the whole prompt of a request at once, reusing cached ones, and
@@ -575,6 +609,7 @@ impl Scheduler {
             preemptions: 0,
             status: SeqStatus::Waiting,
             kind,
+            score_prompt: false,
             hasher,
             hashes,
             registered: 0,
@@ -598,6 +633,7 @@ impl Scheduler {
         out.clear();
         self.in_flight.clear();
         let mut budget = self.cfg.max_batched_tokens;
+        let mut score_rows = SCORE_ROWS;
         let mut preempted_any = false;
 
         // Running sequences, oldest first.
@@ -613,7 +649,9 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let n = if self.cfg.chunked_prefill {
+            let n = if seq.score_prompt && seq.computed < seq.prompt_len {
+                remaining.min(budget).min(score_rows)
+            } else if self.cfg.chunked_prefill {
                 remaining.min(budget)
             } else if remaining <= budget {
                 remaining
@@ -623,6 +661,9 @@ impl Scheduler {
             if n == 0 {
                 i += 1;
                 continue;
+            }
+            if seq.score_prompt && seq.computed < seq.prompt_len {
+                score_rows -= n;
             }
             let end = seq.computed + n;
             // Make room, preempting the newest running sequences if needed.
@@ -683,9 +724,19 @@ impl Scheduler {
                 self.park_prefilled(sid);
                 continue;
             }
-            let n = if self.cfg.chunked_prefill { remaining.min(budget) } else { remaining };
-            if n > budget {
+            let scoring = seq.score_prompt && seq.computed < seq.prompt_len;
+            let n = if scoring {
+                remaining.min(budget).min(score_rows)
+            } else if self.cfg.chunked_prefill {
+                remaining.min(budget)
+            } else {
+                remaining
+            };
+            if n > budget || n == 0 {
                 break;
+            }
+            if scoring {
+                score_rows -= n;
             }
             let end = seq.computed + n;
             if !self.grow_blocks(sid, end) {
@@ -728,7 +779,7 @@ impl Scheduler {
             return None;
         }
         let bs = self.cfg.block_size;
-        let seq = self.seqs[sid].as_ref()?;
+        let seq = self.seqs[sid].as_ref().filter(|s| !s.score_prompt)?;
         let below = self.below(seq);
         let k = below.start;
         let n = lower.probe(&seq.hashes[below.clone()]).min(below.len());
@@ -817,6 +868,7 @@ impl Scheduler {
                 len: stop - pos,
                 mode,
                 logits: stop == seq.tokens.len(),
+                all: seq.score_prompt && pos < seq.prompt_len,
             });
             let prefill = seq.prompt_len.max(seq.tokens.len() - 1);
             out.num_prefill_tokens += stop.min(prefill).saturating_sub(pos.min(prefill));
@@ -846,7 +898,7 @@ impl Scheduler {
         }
         let bs = self.cfg.block_size;
         let Some(seq) = self.seqs[sid].as_mut() else { return };
-        if !seq.blocks.is_empty() || seq.computed > 0 {
+        if !seq.blocks.is_empty() || seq.computed > 0 || seq.score_prompt {
             return;
         }
         // At least one token must be computed to get logits.
@@ -1107,7 +1159,14 @@ mod tests {
         step(&mut s, &mut out);
         assert_eq!(
             out.chunks,
-            vec![Chunk { seq: r, start: 13, len: 1, mode: AttnMode::Prefill, logits: true }]
+            vec![Chunk {
+                seq: r,
+                start: 13,
+                len: 1,
+                mode: AttnMode::Prefill,
+                logits: true,
+                all: false
+            }]
         );
         assert!(s.pool().contains(s.seq(r).unwrap().hashes[2].1), "arrived blocks are cached");
         step(&mut s, &mut out);
@@ -1252,7 +1311,14 @@ mod tests {
         step(&mut s, &mut out);
         assert_eq!(
             out.chunks,
-            vec![Chunk { seq: a, start: 0, len: 8, mode: AttnMode::Prefill, logits: false }]
+            vec![Chunk {
+                seq: a,
+                start: 0,
+                len: 8,
+                mode: AttnMode::Prefill,
+                logits: false,
+                all: false
+            }]
         );
         step(&mut s, &mut out);
         step(&mut s, &mut out);
@@ -1261,7 +1327,14 @@ mod tests {
         step(&mut s, &mut out);
         assert_eq!(
             out.chunks,
-            vec![Chunk { seq: a, start: 20, len: 1, mode: AttnMode::Decode, logits: true }]
+            vec![Chunk {
+                seq: a,
+                start: 20,
+                len: 1,
+                mode: AttnMode::Decode,
+                logits: true,
+                all: false
+            }]
         );
         s.check_invariants().unwrap();
     }

@@ -302,6 +302,7 @@ mod tests {
                 kv: KvRole::PrefillTo(KvDest { worker: 3, first_block: 2, blocks: vec![9, 4] }),
                 resume: Vec::new(),
                 constraint: None,
+                prompt_logprobs: None,
             },
         };
         assert_eq!(round_trip(kind::SUBMIT, &sub), sub);

@@ -116,6 +116,11 @@ pub struct GenerateRequest {
     /// A grammar the output must match (structured outputs); `None` = free text.
     #[serde(default)]
     pub constraint: Option<Constraint>,
+    /// Score the prompt: the log-probability of every prompt token but the first (given the
+    /// tokens before it), with this many alternatives each (`echo` with `logprobs`). Such a
+    /// prompt is computed whole, never served from the prefix cache, and never disaggregated.
+    #[serde(default)]
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// A grammar that constrains a request's output, as the client gave it (compiled by the
@@ -297,4 +302,14 @@ pub enum Output {
     },
     /// Disaggregated serving's news of the request's KV (for the plane, not the client).
     Kv(KvNote),
+    /// Scores of prompt tokens `start..start + logprobs.len()` (see
+    /// [`GenerateRequest::prompt_logprobs`]; token 0 has none, so `start` ≥ 1), before any
+    /// delta. A placement that starts over sends them again from its first: the receiver
+    /// keeps the scores before `start` and replaces the rest.
+    PromptLogprobs {
+        /// Index of the first prompt token scored here.
+        start: u32,
+        /// One per token, in order.
+        logprobs: Vec<Logprob>,
+    },
 }

@@ -6,6 +6,8 @@
 
 #![forbid(unsafe_code)]
 
+pub use kvx_engine::eval;
+
 pub mod kvlink;
 pub mod remote;
 pub mod setup;

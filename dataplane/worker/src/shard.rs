@@ -506,6 +506,16 @@ impl Loop {
             }
             let Some(sink) = self.sinks.get(&ev.id) else { continue };
             let mut ok = true;
+            if !ev.prompt.is_empty() {
+                let logprobs = out.prompt[ev.prompt.clone()]
+                    .iter()
+                    .map(|p| kvx_proto::Logprob {
+                        logprob: p.logprob,
+                        top: out.top[p.top.clone()].to_vec(),
+                    })
+                    .collect();
+                ok = sink.send(Output::PromptLogprobs { start: ev.prompt_start, logprobs }).is_ok();
+            }
             if ev.token.is_some() && ev.usage.completion_tokens == 1 {
                 notify(
                     &self.events,

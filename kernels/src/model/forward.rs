@@ -26,7 +26,8 @@ pub struct SeqChunk<'a> {
     pub start_pos: usize,
     /// Blocks holding positions `0..start_pos + tokens.len()`, in order.
     pub block_table: &'a [u32],
-    /// What the last token of the chunk produces from the output head.
+    /// What the chunk's last token (or, with [`Logits::All`], each token) produces from the
+    /// output head.
     pub logits: Logits,
     /// Which of ggml's attention code paths the chunk's tokens follow (see [`AttnMode`]).
     pub mode: AttnMode,
@@ -44,6 +45,9 @@ pub enum Logits {
     /// of this kind the head is screened by fast products and settled exactly
     /// ([`crate::greedy`]); the row's other values are then within rounding of the logits.
     Argmax,
+    /// The logits of every token of the chunk, bit for bit (a scored prompt): one row per
+    /// token, in order.
+    All,
 }
 
 impl Logits {
@@ -137,7 +141,7 @@ impl Scratch {
 }
 
 impl LlamaModel {
-    /// Runs one step. Writes the row of every chunk that wants one ([`Logits`]; in chunk
+    /// Runs one step. Writes the rows of every chunk that wants them ([`Logits`]; in chunk
     /// order, `n_vocab` each) to the front of `logits` and returns how many rows were written.
     /// In the last layer only the tokens that produce rows go past the cache writes.
     pub fn forward(
@@ -217,8 +221,13 @@ impl LlamaModel {
             }
             for i in 0..ch.tokens.len() {
                 s.tok.push((ci as u32, (ch.start_pos + i) as u32));
+                if ch.logits == Logits::All {
+                    s.out_rows.push((s.tok.len() - 1) as u32);
+                }
             }
-            if ch.logits.wanted() {
+            if ch.logits == Logits::All {
+                argmax_only = false;
+            } else if ch.logits.wanted() {
                 s.out_rows.push((s.tok.len() - 1) as u32);
                 argmax_only &= ch.logits == Logits::Argmax;
             }

@@ -456,6 +456,10 @@ impl State {
         {
             let mut req = retry.req.clone();
             req.resume.clone_from(&f.streamed);
+            if !req.resume.is_empty() {
+                // The client has the prompt's scores (they come before the first token).
+                req.prompt_logprobs = None;
+            }
             match self.place(&req, &retry.blocks, now, exclude) {
                 Ok(w) => {
                     if f.started {
@@ -508,6 +512,11 @@ impl State {
             }
             Output::Kv(note) if !matches!(note, KvNote::Sent(_)) => {
                 let _ = f.client.send(Output::Kv(note));
+            }
+            // A scored prompt's scores, before its first token (a placement that starts
+            // over sends them again, and they replace these).
+            o @ Output::PromptLogprobs { .. } => {
+                let _ = f.client.send(o);
             }
             Output::Error { class, message }
                 if f.retry.is_some()

@@ -28,6 +28,7 @@ pub fn request(id: u64, seed: u32, len: u32, max_tokens: u32) -> GenerateRequest
         kv: Default::default(),
         resume: Vec::new(),
         constraint: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -76,7 +77,7 @@ pub async fn collect(rx: &mut UnboundedReceiver<Output>, limit: Duration) -> (Ve
                 return (tokens, End::Error(class, message));
             }
             Ok(Some(Output::Kv(KvNote::Sent(_)))) => return (tokens, End::KvSent),
-            Ok(Some(Output::Kv(_))) => {}
+            Ok(Some(Output::Kv(_) | Output::PromptLogprobs { .. })) => {}
         }
     }
 }
@@ -92,7 +93,7 @@ pub fn collect_blocking(rx: &mut UnboundedReceiver<Output>, limit: Duration) -> 
             Ok(Output::Finished { reason, .. }) => return (tokens, End::Finished(reason)),
             Ok(Output::Error { class, message }) => return (tokens, End::Error(class, message)),
             Ok(Output::Kv(KvNote::Sent(_))) => return (tokens, End::KvSent),
-            Ok(Output::Kv(_)) => {}
+            Ok(Output::Kv(_) | Output::PromptLogprobs { .. }) => {}
             Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
                 return (tokens, End::Closed);
             }

@@ -25,6 +25,13 @@ pub fn model() -> Arc<LlamaModel> {
     Arc::new(model)
 }
 
+/// The model's tokenizer.
+#[allow(dead_code)] // not every test file tokenizes
+pub fn tokenizer() -> kvx_tokenizer::Tokenizer {
+    let path = std::env::var_os("KVX_TEST_MODEL").expect("KVX_TEST_MODEL is not set");
+    kvx_tokenizer::Tokenizer::from_gguf_path(std::path::Path::new(&path)).expect("tokenizer")
+}
+
 pub fn engine(model: &Arc<LlamaModel>, blocks: usize, sched: SchedulerConfig) -> Engine {
     let pool = ThreadPool::new(2).expect("pool");
     let backend = ModelBackend::new(
@@ -61,6 +68,7 @@ pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         kv: Default::default(),
         resume: Vec::new(),
         constraint: None,
+        prompt_logprobs: None,
     }
 }
 

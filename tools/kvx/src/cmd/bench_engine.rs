@@ -57,6 +57,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
             kv: Default::default(),
             resume: Vec::new(),
             constraint: None,
+            prompt_logprobs: None,
         };
         engine.add(&req)?;
         let start = Instant::now();

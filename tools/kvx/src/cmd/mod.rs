@@ -18,6 +18,7 @@ mod cluster_opts;
 mod configure;
 mod discovery_opts;
 mod engine;
+mod eval;
 mod frontend;
 mod generate;
 mod http_opts;
@@ -68,6 +69,8 @@ pub(crate) enum Command {
     Worker(Box<worker::WorkerArgs>),
     /// Write this host's deployment settings (`KVX_*`) for systemd or Helm.
     Configure(configure::ConfigureArgs),
+    /// Measure the model in this process: log-likelihoods of continuations.
+    Eval(eval::EvalArgs),
 }
 
 /// Settings every command shares, resolved once from the global flags.
@@ -115,6 +118,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Frontend(a) => frontend::run(*a, &rt),
         Command::Worker(a) => worker::run(*a, &rt),
         Command::Configure(a) => configure::run(a),
+        Command::Eval(a) => eval::run(a, &rt),
     }
 }
 
