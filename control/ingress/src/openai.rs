@@ -667,6 +667,7 @@ impl Params {
             resume: Vec::new(),
             constraint: self.constraint.clone(),
             prompt_logprobs: self.prompt_logprobs,
+            fork: None,
         })
     }
 }

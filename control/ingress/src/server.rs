@@ -878,11 +878,22 @@ async fn start(
     // One engine request per choice, in index order (prompt-major).
     let mut reqs: Vec<Option<GenerateRequest>> = Vec::with_capacity(prompts.len() * n);
     for mut p in prompts {
+        let mut leader = RequestId(0);
         for (j, &seed) in seeds.iter().enumerate() {
             let id = RequestId(s.next_id.fetch_add(1, Ordering::Relaxed));
             let prompt = if j + 1 == n { std::mem::take(&mut p) } else { p.clone() };
             let mut r = params.request(id, prompt, s.model.context_length)?;
             r.sampling.seed = seed;
+            // The first choice computes the prompt, the others start from it (a scored
+            // prompt is scored by each).
+            if n > 1 && params.prompt_logprobs.is_none() {
+                r.fork = Some(if j == 0 {
+                    leader = id;
+                    kvx_proto::Fork::Leader { followers: (n - 1) as u32 }
+                } else {
+                    kvx_proto::Fork::Follower { leader }
+                });
+            }
             reqs.push(Some(r));
         }
     }

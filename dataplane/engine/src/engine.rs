@@ -37,6 +37,8 @@ pub trait Backend: Send {
     fn n_vocab(&self) -> usize;
     /// KV blocks the backend holds.
     fn n_blocks(&self) -> usize;
+    /// Copies the KV of block `src` onto block `dst` (a forked sequence's partial block).
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), EngineError>;
     /// Prompt token ids must be below this (the embedding table's rows; a backend that
     /// computes nothing from token ids may accept any).
     fn prompt_vocab(&self) -> usize {
@@ -128,6 +130,10 @@ impl Backend for ModelBackend {
 
     fn n_blocks(&self) -> usize {
         self.kv.n_blocks()
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), EngineError> {
+        Ok(self.kv.copy_block(src as usize, dst as usize)?)
     }
 }
 
@@ -247,6 +253,17 @@ struct SeqState {
     prompt_logprobs: Option<u32>,
     /// The next prompt token to score (token 0 has no score).
     next_score: usize,
+    /// Followers to expect (a fork leader that has not drawn its first token yet).
+    followers: u32,
+}
+
+/// A fork leader's prompt, kept for its followers while it runs.
+struct ForkSource {
+    sid: SeqId,
+    /// The logits its first token was drawn from (before penalties and masks).
+    row: Arc<[f32]>,
+    /// Followers still to come.
+    left: u32,
 }
 
 /// Engine settings.
@@ -275,6 +292,12 @@ pub struct Engine {
     chunk_buf: Vec<SeqChunk<'static>>,
     top_buf: Vec<(u32, f32)>,
     cancelled: Vec<(RequestId, Usage)>,
+    /// Fork leaders whose followers may still come, by the leader's id.
+    forks: HashMap<RequestId, ForkSource>,
+    /// Forked sequences whose first token is drawn in the next step, from these logits.
+    pending_forks: Vec<(SeqId, Arc<[f32]>)>,
+    /// A forked sequence's logits, penalized and masked in place.
+    fork_row: Vec<f32>,
     stats: EngineStats,
     last_step_ms: f32,
     seed_counter: u64,
@@ -317,6 +340,9 @@ impl Engine {
             chunk_buf: Vec::with_capacity(2 * slots),
             top_buf: Vec::with_capacity(32),
             cancelled: Vec::with_capacity(slots),
+            forks: HashMap::new(),
+            pending_forks: Vec::with_capacity(cfg.sched.max_num_seqs),
+            fork_row: vec![0.0; n_vocab],
             stats: EngineStats::default(),
             last_step_ms: 0.0,
             seed_counter: 0x9e37_79b9_7f4a_7c15,
@@ -529,9 +555,49 @@ impl Engine {
             constraint,
             prompt_logprobs,
             next_score: 1,
+            followers: match req.fork {
+                Some(kvx_proto::Fork::Leader { followers }) if prompt_logprobs.is_none() => {
+                    followers
+                }
+                _ => 0,
+            },
         });
         self.by_id.insert(req.id, sid);
+        if let (Some(kvx_proto::Fork::Follower { leader }), KvRole::Local) = (req.fork, &req.kv)
+            && req.resume.is_empty()
+        {
+            self.fork(sid, leader)?;
+        }
         Ok(admission)
+    }
+
+    /// Starts a queued follower from its leader's computed prompt, if the leader runs here
+    /// and has drawn its first token; otherwise it stays queued, to be computed.
+    fn fork(&mut self, sid: SeqId, leader: RequestId) -> Result<(), EngineError> {
+        let Some(src) = self.forks.get_mut(&leader) else { return Ok(()) };
+        let lsid = src.sid;
+        let row = src.row.clone();
+        src.left = src.left.saturating_sub(1);
+        if src.left == 0 {
+            self.forks.remove(&leader);
+        }
+        if self.by_id.get(&leader) != Some(&lsid) {
+            return Ok(());
+        }
+        let Some(copy) = self.sched.fork_from(sid, lsid) else { return Ok(()) };
+        if let Some((from, to)) = copy
+            && let Err(e) = self.backend.copy_block(from, to)
+        {
+            // The sequence holds its blocks now: take it out whole.
+            let id = self.states[sid].take().map(|s| s.id);
+            if let Some(id) = id {
+                self.by_id.remove(&id);
+            }
+            self.sched.remove(sid);
+            return Err(e);
+        }
+        self.pending_forks.push((sid, row));
+        Ok(())
     }
 
     /// Compiles a request's constraint (a client error when the grammar is bad or the engine
@@ -622,6 +688,7 @@ impl Engine {
     /// finished with [`FinishReason::Cancelled`]. False if the request is unknown.
     pub fn cancel(&mut self, id: RequestId) -> bool {
         let Some(sid) = self.by_id.remove(&id) else { return false };
+        self.pending_forks.retain(|(s, _)| *s != sid);
         let until = self.clock_ms() + self.kv_quarantine.as_millis() as u64;
         let seq = self.sched.cancel(sid, until);
         let st = self.states[sid].take();
@@ -667,7 +734,7 @@ impl Engine {
         self.sched.release_quarantine(now);
         self.sched.schedule_with(&mut self.plan, lower);
         self.stats.preemptions += self.plan.preempted.len() as u64;
-        if self.plan.chunks.is_empty() {
+        if self.plan.chunks.is_empty() && self.pending_forks.is_empty() {
             self.report_prefilled();
             return Ok(&self.out);
         }
@@ -703,7 +770,11 @@ impl Engine {
                 });
             }
         }
-        let result = self.backend.forward(&chunks, &mut self.logits);
+        let result = if chunks.is_empty() {
+            Ok(()) // forked sequences' first tokens alone
+        } else {
+            self.backend.forward(&chunks, &mut self.logits)
+        };
         self.chunk_buf = recycle(chunks);
         result?;
         self.sched.commit(&self.plan);
@@ -714,22 +785,36 @@ impl Engine {
         // A handle of its own (no allocation), so that `self` stays free to borrow.
         let tokenizer = self.tokenizer.clone();
         let tok = tokenizer.as_deref();
+        let n_forks = self.pending_forks.len();
         let mut row_index = 0;
-        for ci in 0..self.plan.chunks.len() {
-            let c = self.plan.chunks[ci];
-            let first_row = row_index;
-            row_index += c.rows();
-            if c.all {
-                self.score_prompt(&c, first_row);
-            }
-            if !c.logits {
-                continue;
-            }
-            let last = row_index - 1;
-            let row = &mut self.logits[last * n_vocab..(last + 1) * n_vocab];
-            let (Some(st), Some(seq)) = (self.states[c.seq].as_mut(), self.sched.seq(c.seq)) else {
+        for k in 0..n_forks + self.plan.chunks.len() {
+            let (sid, row) = if k < n_forks {
+                // A forked sequence's first token, drawn from its leader's logits.
+                let (sid, src) = &self.pending_forks[k];
+                self.fork_row.copy_from_slice(src);
+                (*sid, &mut self.fork_row[..])
+            } else {
+                let c = self.plan.chunks[k - n_forks];
+                let first_row = row_index;
+                row_index += c.rows();
+                if c.all {
+                    self.score_prompt(&c, first_row);
+                }
+                if !c.logits {
+                    continue;
+                }
+                let last = row_index - 1;
+                (c.seq, &mut self.logits[last * n_vocab..(last + 1) * n_vocab])
+            };
+            let (Some(st), Some(seq)) = (self.states[sid].as_mut(), self.sched.seq(sid)) else {
                 continue;
             };
+            if st.followers > 0 {
+                // A fork leader's first token: its followers start from these logits.
+                let src = ForkSource { sid, row: Arc::from(&*row), left: st.followers };
+                self.forks.insert(st.id, src);
+                st.followers = 0;
+            }
             if !st.counted_admission {
                 st.counted_admission = true;
                 self.stats.prompt_tokens += seq.prompt_len as u64;
@@ -760,8 +845,8 @@ impl Engine {
                     prompt_start: 0,
                 });
                 self.by_id.remove(&id);
-                self.sched.remove(c.seq);
-                self.states[c.seq] = None;
+                self.sched.remove(sid);
+                self.states[sid] = None;
                 self.stats.finished += 1;
                 continue;
             }
@@ -779,7 +864,7 @@ impl Engine {
                     self.top_buf.iter().map(|&(token, logprob)| TopLogprob { token, logprob }),
                 );
             }
-            self.sched.append_token(c.seq, s.token);
+            self.sched.append_token(sid, s.token);
             self.stats.generated_tokens += 1;
             let text_start = self.out.text.len();
             let mut finish = st.output.on_token(s.token, tok, &mut self.out.text);
@@ -793,7 +878,7 @@ impl Engine {
                 }
                 finish = Some(FinishReason::Stop);
             }
-            let Some(seq) = self.sched.seq(c.seq) else { continue };
+            let Some(seq) = self.sched.seq(sid) else { continue };
             let usage = Usage {
                 prompt_tokens: seq.prompt_len as u32,
                 completion_tokens: st.output.generated() as u32,
@@ -815,10 +900,16 @@ impl Engine {
             });
             if finish.is_some() {
                 self.by_id.remove(&id);
-                self.sched.remove(c.seq);
-                self.states[c.seq] = None;
+                self.sched.remove(sid);
+                self.states[sid] = None;
                 self.stats.finished += 1;
             }
+        }
+        self.pending_forks.clear();
+        if !self.forks.is_empty() {
+            // Leaders that ended take their prompts with them.
+            let by_id = &self.by_id;
+            self.forks.retain(|id, f| by_id.get(id) == Some(&f.sid));
         }
         self.last_step_ms = t0.elapsed().as_secs_f32() * 1e3;
         Ok(&self.out)

@@ -135,6 +135,7 @@ pub fn loglikelihoods(
                 resume: Vec::new(),
                 constraint: None,
                 prompt_logprobs: Some(1),
+                fork: None,
             };
             engine
                 .add(&req)

@@ -131,6 +131,11 @@ impl Backend for MockBackend {
         self.cfg.n_blocks
     }
 
+    /// Nothing to copy: the mocker holds no KV.
+    fn copy_block(&mut self, _src: u32, _dst: u32) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     /// Any prompt token id: the mocker computes nothing from them but block hashes, so a
     /// tokenizer-free mocker with a tiny vocabulary serves prompts tokenized by a frontend
     /// with the real model's vocabulary.

@@ -406,6 +406,65 @@ impl Scheduler {
         }
     }
 
+    /// Starts a queued, never admitted sequence from `leader`'s computed prompt (the same
+    /// tokens and salt): it takes the leader's full prompt blocks from the prefix cache and a
+    /// new block for the partial last one, whose content the caller copies from the
+    /// returned `(leader's block, new block)`. It is then running with its prompt computed
+    /// (no chunk is planned for it until a token is appended). `None`, with nothing changed,
+    /// when that cannot be done (no prefix caching, the leader's prompt is not computed or
+    /// differs, no room).
+    pub fn fork_from(&mut self, sid: SeqId, leader: SeqId) -> Option<Option<(BlockId, BlockId)>> {
+        if !self.cfg.prefix_caching || sid == leader || self.running.len() >= self.cfg.max_num_seqs
+        {
+            return None;
+        }
+        let bs = self.cfg.block_size;
+        let (l, f) = (self.seq(leader)?, self.seq(sid)?);
+        let n = f.prompt_len;
+        let full = n / bs;
+        if f.status != SeqStatus::Waiting
+            || f.admitted_once
+            || f.kind != SeqKind::Generate
+            || f.score_prompt
+            || f.tokens.len() != n
+            || l.status != SeqStatus::Running
+            || l.computed < n
+            || l.tokens.len() < n
+            || l.tokens[..n] != f.tokens[..]
+            || l.hashes.get(..full) != f.hashes.get(..full)
+        {
+            return None;
+        }
+        let src = (n % bs != 0).then(|| l.blocks.get(full).copied()).flatten();
+        if n % bs != 0 && src.is_none() {
+            return None;
+        }
+        let hashes: Vec<SequenceHash> = f.hashes[..full].iter().map(|&(_, h)| h).collect();
+        let mut blocks = Vec::with_capacity(f.max_len.div_ceil(bs));
+        for h in hashes {
+            match self.pool.acquire_cached(h) {
+                Some(b) => blocks.push(b),
+                None => break,
+            }
+        }
+        let dst = if blocks.len() == full && src.is_some() { self.pool.allocate() } else { None };
+        if blocks.len() < full || (src.is_some() && dst.is_none()) {
+            for &b in blocks.iter().rev() {
+                self.pool.release(b);
+            }
+            return None;
+        }
+        blocks.extend(dst);
+        let seq = self.seqs[sid].as_mut()?;
+        seq.blocks = blocks;
+        seq.computed = n;
+        seq.registered = full;
+        self.waiting.retain(|&s| s != sid);
+        self.admit(sid);
+        self.running.push(sid);
+        Some(src.zip(dst))
+    }
+
     /// Reserves blocks for the whole prompt of a request at once, reusing cached ones, and
     /// parks it until its KV arrives. `Ok(None)`: no room now (too many sequences, or not
     /// enough free blocks) — nothing is kept, and the caller may [`add`](Self::add) it.

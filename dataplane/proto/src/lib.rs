@@ -15,8 +15,9 @@ pub use events::{KvEvent, KvEventData, StorageTier, StoredBlock};
 pub use hashing::{BlockHasher, LocalBlockHash, SequenceHash, XXH3_SEED};
 pub use load::{LoadReport, TierMetrics, WorkerMetrics};
 pub use request::{
-    Constraint, ErrorClass, FinishReason, GenerateRequest, KvDest, KvNote, KvRole, KvTransfer,
-    Logprob, Output, OutputDelta, RequestId, SamplingOptions, StopConditions, TopLogprob, Usage,
+    Constraint, ErrorClass, FinishReason, Fork, GenerateRequest, KvDest, KvNote, KvRole,
+    KvTransfer, Logprob, Output, OutputDelta, RequestId, SamplingOptions, StopConditions,
+    TopLogprob, Usage,
 };
 
 /// A worker (one engine shard) in the cluster.

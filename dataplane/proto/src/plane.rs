@@ -303,6 +303,7 @@ mod tests {
                 resume: Vec::new(),
                 constraint: None,
                 prompt_logprobs: None,
+                fork: None,
             },
         };
         assert_eq!(round_trip(kind::SUBMIT, &sub), sub);

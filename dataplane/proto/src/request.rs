@@ -121,6 +121,29 @@ pub struct GenerateRequest {
     /// prompt is computed whole, never served from the prefix cache, and never disaggregated.
     #[serde(default)]
     pub prompt_logprobs: Option<u32>,
+    /// Its part among the choices of one prompt (`n` > 1), so that the prompt is computed
+    /// once; `None` = on its own.
+    #[serde(default)]
+    pub fork: Option<Fork>,
+}
+
+/// A request's part among the choices of one prompt. The leader computes the prompt; a
+/// follower sent to the engine that holds the leader starts from the leader's computed
+/// prompt (its blocks shared, its last partial block copied, its first token drawn from the
+/// leader's logits) and computes nothing of the prompt. A follower that finds no leader
+/// (another engine, or the leader ended) is computed as any request, from the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fork {
+    /// The prompt's first choice; this many followers come after its first token.
+    Leader {
+        /// Followers to expect.
+        followers: u32,
+    },
+    /// Another choice of the leader's prompt.
+    Follower {
+        /// The leader's id.
+        leader: RequestId,
+    },
 }
 
 /// A grammar that constrains a request's output, as the client gave it (compiled by the

@@ -29,6 +29,7 @@ pub fn request(id: u64, seed: u32, len: u32, max_tokens: u32) -> GenerateRequest
         resume: Vec::new(),
         constraint: None,
         prompt_logprobs: None,
+        fork: None,
     }
 }
 

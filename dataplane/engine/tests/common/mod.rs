@@ -69,6 +69,7 @@ pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         resume: Vec::new(),
         constraint: None,
         prompt_logprobs: None,
+        fork: None,
     }
 }
 

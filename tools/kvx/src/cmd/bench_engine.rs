@@ -58,6 +58,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
             resume: Vec::new(),
             constraint: None,
             prompt_logprobs: None,
+            fork: None,
         };
         engine.add(&req)?;
         let start = Instant::now();

@@ -193,6 +193,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
                 resume: Vec::new(),
                 constraint: None,
                 prompt_logprobs: None,
+                fork: None,
             };
             engine.add(&req).map_err(|e| anyhow::anyhow!("prompt {next}: {e}"))?;
             by_id.insert(req.id, jobs.len());
