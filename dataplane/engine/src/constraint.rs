@@ -138,7 +138,7 @@ impl ConstraintEnv {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(SeqConstraint { matcher, eog: self.eog.clone() })
+        Ok(SeqConstraint { matcher, eog: self.eog.clone(), ready: None })
     }
 }
 
@@ -156,6 +156,8 @@ fn with_layout(schema: &mut serde_json::Value) {
 pub struct SeqConstraint {
     matcher: Matcher,
     eog: Vec<u32>,
+    /// The next step's mask, computed ahead ([`SeqConstraint::prepare`]).
+    ready: Option<toktrie::SimpleVob>,
 }
 
 impl std::fmt::Debug for SeqConstraint {
@@ -175,13 +177,24 @@ impl SeqConstraint {
         if self.matcher.is_stopped() {
             return false;
         }
-        let Ok(mask) = self.matcher.compute_mask() else { return false };
+        let mask = match self.ready.take() {
+            Some(m) => m,
+            None => match self.matcher.compute_mask() {
+                Ok(m) => m,
+                Err(_) => return false,
+            },
+        };
         let words = mask.as_slice();
         let mut any = false;
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
             let bits = words.get(w).copied().unwrap_or(0);
             if bits == u32::MAX && chunk.len() == 32 {
                 any = true;
+                continue;
+            }
+            if bits == 0 {
+                // Most words of a mask: nothing allowed.
+                chunk.fill(f32::NEG_INFINITY);
                 continue;
             }
             for (i, l) in chunk.iter_mut().enumerate() {
@@ -195,10 +208,19 @@ impl SeqConstraint {
         any
     }
 
+    /// Computes the next step's mask now (so that the masks of a batch are computed in
+    /// parallel before they are applied); [`SeqConstraint::mask`] uses it.
+    pub fn prepare(&mut self) {
+        if self.ready.is_none() && !self.matcher.is_stopped() {
+            self.ready = self.matcher.compute_mask().ok();
+        }
+    }
+
     /// Follows a sampled token; true when the grammar is complete (the token was an
     /// end-of-generation id, or nothing but one can follow) or the matcher failed: the
     /// sequence ends.
     pub fn advance(&mut self, token: u32) -> bool {
+        self.ready = None;
         if self.eog.contains(&token) {
             let _ = self.matcher.consume_token(token);
             return true;

@@ -39,6 +39,11 @@ pub trait Backend: Send {
     fn n_blocks(&self) -> usize;
     /// Copies the KV of block `src` onto block `dst` (a forked sequence's partial block).
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), EngineError>;
+    /// Threads the engine may run its own parallel work on between steps (the grammar
+    /// masks of a batch), if any.
+    fn pool(&self) -> Option<&ThreadPool> {
+        None
+    }
     /// Prompt token ids must be below this (the embedding table's rows; a backend that
     /// computes nothing from token ids may accept any).
     fn prompt_vocab(&self) -> usize {
@@ -134,6 +139,10 @@ impl Backend for ModelBackend {
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), EngineError> {
         Ok(self.kv.copy_block(src as usize, dst as usize)?)
+    }
+
+    fn pool(&self) -> Option<&ThreadPool> {
+        Some(&self.pool)
     }
 }
 
@@ -780,6 +789,8 @@ impl Engine {
         self.sched.commit(&self.plan);
         self.report_prefilled();
 
+        self.prepare_masks();
+
         // Sample every sequence that produced logits.
         let n_vocab = self.backend.n_vocab();
         // A handle of its own (no allocation), so that `self` stays free to borrow.
@@ -913,6 +924,44 @@ impl Engine {
         }
         self.last_step_ms = t0.elapsed().as_secs_f32() * 1e3;
         Ok(&self.out)
+    }
+
+    /// Computes the grammar masks of the constrained sequences that draw a token in this
+    /// step, in parallel over the backend's threads (each mask is one sequence's work; the
+    /// unconstrained path does nothing here).
+    fn prepare_masks(&mut self) {
+        let Some(pool) = self.backend.pool().filter(|p| p.n_threads() > 1) else { return };
+        let sampling = self
+            .plan
+            .chunks
+            .iter()
+            .filter(|c| c.logits)
+            .map(|c| c.seq)
+            .chain(self.pending_forks.iter().map(|&(s, _)| s));
+        let mut wanted = 0;
+        for sid in sampling.clone() {
+            wanted +=
+                usize::from(self.states[sid].as_ref().is_some_and(|s| s.constraint.is_some()));
+        }
+        if wanted < 2 {
+            return; // one mask: computed where it is applied
+        }
+        let mut mine: Vec<std::sync::Mutex<&mut SeqConstraint>> = Vec::with_capacity(wanted);
+        for (sid, st) in self.states.iter_mut().enumerate() {
+            if let Some(cs) = st.as_mut().and_then(|s| s.constraint.as_deref_mut())
+                && sampling.clone().any(|s| s == sid)
+            {
+                mine.push(std::sync::Mutex::new(cs));
+            }
+        }
+        let n = mine.len();
+        pool.run(&|i, nt| {
+            for j in kvx_kernels::par::split_range(n, i, nt, 1) {
+                if let Ok(mut cs) = mine[j].lock() {
+                    cs.prepare();
+                }
+            }
+        });
     }
 
     /// Scores the prompt tokens that the rows of a scored chunk (from row `first_row` on)
