@@ -5,6 +5,7 @@
 //!
 //! Needs `KVX_TEST_MODEL` (the default model; `cargo xtask test` exports it).
 
+#[allow(dead_code)] // not every helper is used here
 mod common;
 
 use std::collections::HashMap;
