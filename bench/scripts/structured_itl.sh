@@ -8,7 +8,9 @@
 #
 # Usage: bench/scripts/structured_itl.sh [RUNS=3] [REQUESTS=16] [CONCURRENCY=4]
 # Environment: KVX (default target/release/kvx), MODEL (default `kvx model path`),
-# TEMPERATURE (default 0.8), OUTPUT_TOKENS (default 64), SERVE_ARGS (extra `kvx serve` flags).
+# TEMPERATURE (default 0.8), OUTPUT_TOKENS (default 64), SERVE_ARGS (extra `kvx serve` flags),
+# SCHEMA (the JSON schema; the default's strings have minLength/maxLength, for which
+# llguidance walks the whole token trie each step: its costliest kind of mask).
 set -euo pipefail
 RUNS=${1:-3} REQUESTS=${2:-16} CONC=${3:-4}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -27,7 +29,7 @@ for _ in $(seq 600); do
   sleep 0.1
 done
 [ -n "$ADDR" ] || { cat "$OUT/serve.log"; echo "kvx serve did not start" >&2; exit 1; }
-SCHEMA='{"type":"object","properties":{"words":{"type":"array","minItems":12,"maxItems":12,"items":{"type":"string","minLength":3,"maxLength":8}}},"required":["words"],"additionalProperties":false}'
+SCHEMA=${SCHEMA:-'{"type":"object","properties":{"words":{"type":"array","minItems":12,"maxItems":12,"items":{"type":"string","minLength":3,"maxLength":8}}},"required":["words"],"additionalProperties":false}'}
 PLAIN="{\"temperature\":$TEMP,\"seed\":1}"
 WITH="{\"temperature\":$TEMP,\"seed\":1,\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"words\",\"schema\":$SCHEMA}}}"
 run() { # NAME BODY
