@@ -38,6 +38,14 @@ generate --model GGUF [--threads N] [--ctx N]
     generation stops after an end-of-generation token (included) or max_tokens. top2 gives,
     for each generated token, the two highest logits at that step.
 
+perplexity --model GGUF [--threads N]
+    in:  {"text": str, "ctx": int}
+    out: {"ppl": float, "nll": float, "tokens": int (scored), "chunks": int, "n_text": int}
+    llama-perplexity's computation on llama.cpp's logits: the text tokenized with the model's
+    special tokens added, cut into len / ctx windows, each decoded alone in one batch of ctx
+    tokens (first token replaced by BOS when the model adds one), the tokens after position
+    ctx / 2 scored with llama-perplexity's log-softmax (float maximum, double sum of expf).
+
 New subcommands go beside these: add a `cmd_<name>(args)` function and register it in
 `build_parser()`. Only llama_cpp, jinja2, numpy and the standard library may be imported.
 """
@@ -289,6 +297,59 @@ def cmd_generate(args: argparse.Namespace) -> None:
         emit({"token_ids": out, "top2": top2})
 
 
+def cmd_perplexity(args: argparse.Namespace) -> None:
+    import math
+
+    import numpy as np
+    import llama_cpp as lc
+
+    model, vocab = load_model(args.model, vocab_only=False)
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+    add_bos = bool(lc.llama_vocab_get_add_bos(vocab))
+    bos = lc.llama_vocab_bos(vocab)
+    for req in read_jsonl():
+        n_ctx = int(req["ctx"])
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_ctx
+        cp.n_ubatch = n_ctx
+        cp.n_threads = args.threads
+        cp.n_threads_batch = args.threads
+        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = lc.llama_init_from_model(model, cp)
+        if not ctx:
+            raise SystemExit("llama.cpp could not create a context")
+        tokens = tokenize(vocab, req["text"].encode("utf-8"), True, False)
+        chunks = len(tokens) // n_ctx
+        first = n_ctx // 2
+        batch = lc.llama_batch_init(n_ctx, 0, 1)
+        nll = 0.0
+        for c in range(chunks):
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            window = tokens[c * n_ctx:(c + 1) * n_ctx]
+            if add_bos:
+                window[0] = bos
+            batch.n_tokens = n_ctx
+            for k, t in enumerate(window):
+                batch.token[k] = t
+                batch.pos[k] = k
+                batch.n_seq_id[k] = 1
+                batch.seq_id[k][0] = 0
+                batch.logits[k] = 1
+            if lc.llama_decode(ctx, batch) != 0:
+                raise SystemExit("llama_decode failed")
+            for j in range(first, n_ctx - 1):
+                row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, j), shape=(n_vocab,))
+                m = np.float32(row.max())
+                sum_exp = float(np.sum(np.exp(row - m, dtype=np.float32), dtype=np.float64))
+                nll += -(float(np.float32(row[window[j + 1]] - m)) - math.log(sum_exp))
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        scored = chunks * (n_ctx - 1 - first)
+        emit({"ppl": math.exp(nll / scored) if scored else None, "nll": nll, "tokens": scored,
+              "chunks": chunks, "n_text": len(tokens)})
+
+
 # ---------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------
@@ -308,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("vocab", cmd_vocab, "special ids, attributes and pieces of every token", model=True)
     add("render", cmd_render, "chat templates rendered as transformers does", model=False)
     add("generate", cmd_generate, "greedy token ids and top-2 logits per step", model=True)
+    add("perplexity", cmd_perplexity, "llama-perplexity's perplexity of texts", model=True)
+    sub.choices["perplexity"].add_argument("--threads", type=int, default=2, help="threads")
     gen = sub.choices["generate"]
     gen.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     gen.add_argument("--ctx", type=int, default=4096, help="context size (a multiple of 256)")

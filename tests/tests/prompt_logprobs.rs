@@ -141,3 +141,59 @@ fn tokenizer_info_describes_the_tokenizer() {
     assert!(v["chat_template"].as_str().is_some_and(|t| t.contains("im_start")), "{v}");
     assert!(v["add_bos_token"].is_boolean(), "{v}");
 }
+
+#[test]
+fn a_prompt_filling_the_context_is_scored_with_max_tokens_0() {
+    // A KV cache of 12 MiB: a context of a few hundred tokens.
+    let mut args = MODEL.to_vec();
+    args.extend(["--kv-cache-bytes", "12582912"]);
+    let s = Served::start(&args);
+    let ctx = ok(&s.get("/tokenizer_info"))["model_max_length"].as_u64().expect("context");
+    assert!((200..2000).contains(&ctx), "context {ctx}");
+    let ids = ok(&s.post("/tokenize", &json!({"prompt": TEXT, "add_special_tokens": false})));
+    let ids: Vec<u64> = serde_json::from_value(ids["tokens"].clone()).expect("ids");
+    let prompt: Vec<u64> = ids.iter().copied().cycle().take(ctx as usize).collect();
+    let body = json!({"prompt": [prompt], "echo": true, "logprobs": 1, "max_tokens": 0});
+    let v = ok(&s.post("/v1/completions", &body));
+    let lp = v["choices"][0]["logprobs"]["token_logprobs"].as_array().expect("scores").clone();
+    assert_eq!(lp.len() as u64, ctx);
+    assert!(lp[0].is_null() && lp[1..].iter().all(Value::is_f64), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // One token more than the context is refused, and so is generating after a full one.
+    let mut long = prompt.clone();
+    long.push(prompt[0]);
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": [long], "echo": true, "logprobs": 1, "max_tokens": 0}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = s.post(
+        "/v1/completions",
+        &json!({"prompt": [prompt], "echo": true, "logprobs": 1, "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
+#[test]
+fn a_scored_prompt_is_computed_where_it_decodes() {
+    // Disaggregated, every prompt remote: a scored prompt stays on the decode shard, with
+    // the scores an aggregated server gives.
+    let agg = Served::start(MODEL);
+    let mut args = vec!["--engine", "model", "--threads-per-shard", "1"];
+    args.extend(["--prefill-shards", "1", "--decode-shards", "1", "--disagg-min-tokens", "0"]);
+    let dis = Served::start(&args);
+    let body = json!({"prompt": TEXT, "echo": true, "logprobs": 1, "max_tokens": 2,
+                      "temperature": 0});
+    let a = ok(&agg.post("/v1/completions", &body));
+    let d = ok(&dis.post("/v1/completions", &body));
+    assert_eq!(d["choices"][0]["logprobs"], a["choices"][0]["logprobs"]);
+    assert_eq!(dis.metric("kvx_router_disagg_remote_prefills_total").unwrap_or(0.0), 0.0);
+    // Not sent to the decode shard to await KV (and then computed there for want of room).
+    let no_room = dis.metric("kvx_router_disagg_local_prefills_no_room_total");
+    assert_eq!(no_room.unwrap_or(0.0), 0.0);
+    // A plain request on the same server is disaggregated.
+    let plain = json!({"prompt": TEXT, "max_tokens": 2, "temperature": 0});
+    ok(&dis.post("/v1/completions", &plain));
+    assert_eq!(dis.metric("kvx_router_disagg_remote_prefills_total"), Some(1.0));
+}

@@ -617,6 +617,29 @@ impl Common {
 }
 
 impl Params {
+    /// The engine request that scores a prompt and generates nothing (`echo` with `logprobs`
+    /// and `max_tokens: 0`): the prompt may fill the context.
+    pub fn score_request(
+        &self,
+        id: RequestId,
+        prompt: Vec<TokenId>,
+        context: usize,
+    ) -> Result<GenerateRequest, ApiError> {
+        let p = prompt.len();
+        if p > context {
+            return Err(ApiError::bad_request(
+                format!(
+                    "This model's maximum context length is {context} tokens. However, your \
+                     prompt has {p} tokens. Please reduce the length of the prompt."
+                ),
+                Some("prompt"),
+            ));
+        }
+        let mut r = self.request(id, prompt, usize::MAX)?;
+        r.stop.max_tokens = 0;
+        Ok(r)
+    }
+
     /// The engine request for one prompt, with `max_tokens` checked against the context
     /// (absent = the rest of the context).
     pub fn request(

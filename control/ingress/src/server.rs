@@ -590,10 +590,11 @@ struct Prepared {
     n: usize,
     /// With `echo`, each prompt's text (a choice's text starts with it).
     echo: Option<Vec<Arc<str>>>,
-    /// `echo` with `max_tokens: 0`: the prompts are the whole answer, no engine request.
+    /// `echo` with `max_tokens: 0` (and no `logprobs`): the prompts are the whole answer, no
+    /// engine request.
     echo_only: bool,
-    /// `echo` with `logprobs` and `max_tokens: 0` (a scored prompt, lm-eval's way to score
-    /// a text): one token is generated, for the engine's sake, and left out of the answer.
+    /// `echo` with `logprobs` and `max_tokens: 0`: the prompts are scored, nothing is
+    /// generated (a prompt may then fill the context).
     score_only: bool,
     /// A chat request's tools (calls are parsed out of the answers).
     tools: Option<Arc<ToolMode>>,
@@ -642,7 +643,7 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
     let nothing = echo.is_some() && common.max_tokens == Some(0);
     let (echo_only, score_only) = (nothing && common.logprobs.is_none(), nothing);
     if nothing {
-        common.max_tokens = if echo_only { None } else { Some(1) };
+        common.max_tokens = None;
     }
     let mut params = common.params()?;
     if echo.is_some() {
@@ -882,7 +883,11 @@ async fn start(
         for (j, &seed) in seeds.iter().enumerate() {
             let id = RequestId(s.next_id.fetch_add(1, Ordering::Relaxed));
             let prompt = if j + 1 == n { std::mem::take(&mut p) } else { p.clone() };
-            let mut r = params.request(id, prompt, s.model.context_length)?;
+            let mut r = if score_only {
+                params.score_request(id, prompt, s.model.context_length)?
+            } else {
+                params.request(id, prompt, s.model.context_length)?
+            };
             r.sampling.seed = seed;
             // The first choice computes the prompt, the others start from it (a scored
             // prompt is scored by each).
@@ -1135,8 +1140,8 @@ impl Sub {
         }
     }
 
-    /// Waits for the first message that says something (its first token, its end or its
-    /// error), kept in `pending`; an error is returned as the HTTP error it maps to.
+    /// Waits for the first message that says something (its prompt's scores, its first
+    /// token, its end or its error), kept in `pending`; an error is returned as the HTTP error it maps to.
     async fn first(&mut self) -> Result<(), ApiError> {
         loop {
             match self.rx.recv().await {
@@ -1354,15 +1359,20 @@ impl http_body::Body for SseBody {
             if this.subs[i].done {
                 continue;
             }
+            // Messages that write nothing (prompt scores, held until the first token) do not
+            // count against the frame's bound: they must not end a poll with nothing written
+            // and no waker registered.
             if let Some(o) = this.subs[i].pending.take() {
+                let before = buf.len();
                 this.write(&mut buf, i, o);
-                written += 1;
+                written += usize::from(buf.len() > before);
             }
             while !this.subs[i].done && written < MAX_MESSAGES_PER_FRAME {
                 match this.subs[i].rx.poll_recv(cx) {
                     Poll::Ready(Some(o)) => {
+                        let before = buf.len();
                         this.write(&mut buf, i, o);
-                        written += 1;
+                        written += usize::from(buf.len() > before);
                     }
                     Poll::Ready(None) => {
                         let e = ApiError::internal("the worker stopped before the request ended");

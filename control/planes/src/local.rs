@@ -342,7 +342,12 @@ impl Dispatcher for LocalPlane {
         let s = &self.shared;
         let seed = seed_for(req.salt.as_deref(), None);
         let blocks = RequestBlocks::from_tokens(&req.prompt, s.block_size, seed);
-        let Some(rt) = self.relays.as_ref().filter(|_| req.kv == KvRole::Local) else {
+        // A scored prompt is computed where it decodes (every position's logits are read).
+        let Some(rt) = self
+            .relays
+            .as_ref()
+            .filter(|_| req.kv == KvRole::Local && req.prompt_logprobs.is_none())
+        else {
             return self.submit_local(req, &blocks, None);
         };
         let (decode, why) = self.decide(req.id, &blocks, req.prompt.len());

@@ -29,7 +29,8 @@ use crate::scheduler::{
     AddError, LowerTiers, SCORE_ROWS, Scheduler, SchedulerConfig, SchedulerOutput, SeqId, SeqStatus,
 };
 
-/// What computes a step: fills one row of logits per chunk that wants one (`logits`), in order.
+/// What computes a step: fills the rows of logits the chunks want (`logits`: one for a chunk
+/// that ends its sequence, one per token for a scored chunk, [`SeqChunk::logits`]), in order.
 pub trait Backend: Send {
     /// Runs the step.
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError>;
@@ -466,7 +467,9 @@ impl Engine {
         };
         params.validate().map_err(EngineError::BadRequest)?;
         let prefill_only = matches!(req.kv, KvRole::PrefillTo(_));
-        if req.stop.max_tokens == 0 && !prefill_only {
+        // A scored prompt may ask for nothing generated: it ends once its prompt is scored.
+        let score_only = req.stop.max_tokens == 0 && req.prompt_logprobs.is_some();
+        if req.stop.max_tokens == 0 && !prefill_only && !score_only {
             return Err(EngineError::BadRequest("max_tokens must be at least 1".into()));
         }
         if !req.stop.stop.is_empty() && self.tokenizer.is_none() {
@@ -564,8 +567,11 @@ impl Engine {
             constraint,
             prompt_logprobs,
             next_score: 1,
+            // A resumed leader's next logits follow its resumed tokens, not its prompt.
             followers: match req.fork {
-                Some(kvx_proto::Fork::Leader { followers }) if prompt_logprobs.is_none() => {
+                Some(kvx_proto::Fork::Leader { followers })
+                    if prompt_logprobs.is_none() && req.resume.is_empty() =>
+                {
                     followers
                 }
                 _ => 0,
@@ -627,6 +633,14 @@ impl Engine {
             }
         };
         env.compile(c).map_err(|e| EngineError::BadRequest(format!("constraint: {e}")))
+    }
+
+    /// Returns to the pool the quarantined blocks whose time is up (steps and admissions do
+    /// it too; an idle engine's owner calls this so that they do not wait for the next
+    /// request).
+    pub fn release_expired(&mut self) {
+        let now = self.clock_ms();
+        self.sched.release_quarantine(now);
     }
 
     /// The KV of a reserved request arrived: it runs from its last prompt token. False if it
@@ -820,6 +834,37 @@ impl Engine {
             let (Some(st), Some(seq)) = (self.states[sid].as_mut(), self.sched.seq(sid)) else {
                 continue;
             };
+            if seq.max_len == seq.prompt_len {
+                // A scored prompt that asked for nothing generated: it ends here.
+                if !st.counted_admission {
+                    st.counted_admission = true;
+                    self.stats.prompt_tokens += seq.prompt_len as u64;
+                    self.stats.cached_tokens += seq.cached_prompt as u64;
+                }
+                let id = st.id;
+                self.out.events.push(SeqEvent {
+                    id,
+                    token: None,
+                    logprob: 0.0,
+                    top: 0..0,
+                    text: 0..0,
+                    finish: Some(FinishReason::Length),
+                    usage: Usage {
+                        prompt_tokens: seq.prompt_len as u32,
+                        completion_tokens: 0,
+                        cached_tokens: seq.cached_prompt as u32,
+                        kv_transfer_us: 0,
+                    },
+                    prefilled: false,
+                    prompt: 0..0,
+                    prompt_start: 0,
+                });
+                self.by_id.remove(&id);
+                self.sched.remove(sid);
+                self.states[sid] = None;
+                self.stats.finished += 1;
+                continue;
+            }
             if st.followers > 0 {
                 // A fork leader's first token: its followers start from these logits.
                 let src = ForkSource { sid, row: Arc::from(&*row), left: st.followers };

@@ -1,5 +1,6 @@
-//! Model evaluation on an engine: the log-likelihood of a continuation given a context
-//! (lm-eval's `loglikelihood` request), summed from the prompt scores the engine computes.
+//! Model evaluation on an engine, from the prompt scores it computes: the log-likelihood of a
+//! continuation given a context (lm-eval's `loglikelihood` request), and the perplexity of a
+//! text scored in windows as llama.cpp's `llama-perplexity` scores it.
 //!
 //! Texts are split into tokens as lm-eval splits them for a causal model, so a score here and
 //! one lm-eval receives from `kvx serve` (`echo` + `logprobs`) are of the same tokens.
@@ -128,7 +129,7 @@ pub fn loglikelihoods(
                 id: RequestId(base + next as u64),
                 prompt: inputs[next].0.clone(),
                 sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
-                stop: StopConditions { max_tokens: 1, ignore_eos: true, ..Default::default() },
+                stop: StopConditions { max_tokens: 0, ..Default::default() },
                 logprobs: None,
                 salt: None,
                 kv: Default::default(),
@@ -185,4 +186,60 @@ pub fn loglikelihoods(
             r.ok_or_else(|| EvalError::Input { index, message: "it did not finish".into() })
         })
         .collect()
+}
+
+/// A text's perplexity, scored as `llama-perplexity` scores it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Perplexity {
+    /// exp(nll / scored).
+    pub ppl: f64,
+    /// Summed negative log-likelihood of the scored tokens.
+    pub nll: f64,
+    /// Tokens scored.
+    pub scored: usize,
+    /// Windows of `ctx` tokens.
+    pub chunks: usize,
+}
+
+/// The perplexity of `tokens` in windows of `ctx` tokens, as `llama-perplexity` computes it:
+/// the text is cut into `tokens.len() / ctx` windows (the rest is dropped), each computed on
+/// its own with its first token replaced by `bos` when the model starts prompts with one,
+/// and in each window the tokens of its second half are scored (those after position
+/// `ctx / 2`, each given every token of the window before it).
+pub fn perplexity(
+    engine: &mut Engine,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    concurrency: usize,
+) -> Result<Perplexity, EvalError> {
+    if ctx < 4 {
+        return Err(EvalError::Input { index: 0, message: format!("a window of {ctx} tokens") });
+    }
+    let chunks = tokens.len() / ctx;
+    if chunks == 0 {
+        return Err(EvalError::Input {
+            index: 0,
+            message: format!(
+                "the text has {} tokens, fewer than one window of {ctx}",
+                tokens.len()
+            ),
+        });
+    }
+    let first = ctx / 2;
+    let windows: Vec<(Vec<u32>, usize)> = tokens
+        .chunks_exact(ctx)
+        .map(|w| {
+            let mut w = w.to_vec();
+            if let Some(b) = bos {
+                w[0] = b;
+            }
+            // Tokens first + 1.. are scored: the "context" is the window up to `first`.
+            (w, first + 1)
+        })
+        .collect();
+    let scores = loglikelihoods(engine, &windows, concurrency)?;
+    let nll: f64 = scores.iter().map(|s| -s.logprob).sum();
+    let scored = chunks * (ctx - 1 - first);
+    Ok(Perplexity { ppl: (nll / scored as f64).exp(), nll, scored, chunks })
 }

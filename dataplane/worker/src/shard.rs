@@ -343,6 +343,7 @@ fn run(
                 match rx.recv_timeout(wait) {
                     Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => {
+                        l.engine.release_expired();
                         l.poll_transfers();
                         l.poll_tiers();
                         l.publish_status();

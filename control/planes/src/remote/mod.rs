@@ -666,7 +666,8 @@ impl RemotePlane {
     ) -> Option<Result<UnboundedReceiver<Output>, DispatchError>> {
         let s = &self.shared;
         let mut st = s.lock();
-        if req.kv != KvRole::Local || !st.disaggregates() {
+        // A scored prompt is computed where it decodes (every position's logits are read).
+        if req.kv != KvRole::Local || req.prompt_logprobs.is_some() || !st.disaggregates() {
             return None;
         }
         let t0 = Instant::now();

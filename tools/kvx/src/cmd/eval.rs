@@ -21,6 +21,30 @@ pub(crate) struct EvalArgs {
 enum EvalCommand {
     /// Log-likelihoods of continuations given contexts (lm-eval's `loglikelihood`).
     Loglik(LoglikArgs),
+    /// Perplexity of a text, in windows, scored as llama.cpp's `llama-perplexity` scores it.
+    Perplexity(PerplexityArgs),
+}
+
+#[derive(Debug, Args)]
+struct PerplexityArgs {
+    /// The text (UTF-8).
+    #[arg(long)]
+    file: PathBuf,
+    /// Tokens per window (the second half of each is scored).
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Tokens per batch, as llama-perplexity's `-b`: 512, or at least `--ctx` (kvx computes
+    /// prompts in llama.cpp's 512-token batches).
+    #[arg(long, default_value_t = 512)]
+    batch: usize,
+    /// Windows in the engine at once.
+    #[arg(long, default_value_t = 2)]
+    concurrency: usize,
+    /// Print one JSON object (`ppl`, `nll`, `tokens`, `chunks`, `ctx`).
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineOpts,
 }
 
 #[derive(Debug, Args)]
@@ -41,7 +65,45 @@ struct LoglikArgs {
 pub(crate) fn run(args: EvalArgs, rt: &Runtime) -> Result<()> {
     match args.what {
         EvalCommand::Loglik(a) => loglik(a, rt),
+        EvalCommand::Perplexity(a) => perplexity(a, rt),
     }
+}
+
+fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
+    if args.batch != 512 && args.batch < args.ctx {
+        bail!(
+            "--batch must be 512 or at least --ctx ({}): prompts are computed in 512-token batches",
+            args.ctx
+        );
+    }
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
+    setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(args.concurrency.max(1));
+    let prepared = setup.prepare()?;
+    let tok = prepared.tokenizer().context("the model has no tokenizer")?;
+    // As llama-perplexity tokenizes: the model's BOS, special-token text left as text.
+    let bos = tok.bos_id().filter(|_| tok.add_bos());
+    let mut tokens: Vec<u32> = bos.into_iter().collect();
+    tokens.extend(tok.encode(&text, false)?);
+    let mut engine = prepared.engine(0)?;
+    let p = kvx_worker::eval::perplexity(&mut engine, &tokens, args.ctx, bos, args.concurrency)?;
+    if args.json {
+        let v = serde_json::json!({
+            "ppl": p.ppl, "nll": p.nll, "tokens": p.scored, "chunks": p.chunks, "ctx": args.ctx,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "perplexity {:.4} over {} tokens ({} windows of {}; {} tokens in the text)",
+            p.ppl,
+            p.scored,
+            p.chunks,
+            args.ctx,
+            tokens.len()
+        );
+    }
+    Ok(())
 }
 
 fn loglik(args: LoglikArgs, rt: &Runtime) -> Result<()> {

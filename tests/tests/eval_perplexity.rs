@@ -1,0 +1,66 @@
+//! `kvx eval perplexity` against llama.cpp: the same text, windows and scoring as
+//! llama-perplexity (computed by the oracle on llama.cpp's logits) give the same perplexity to
+//! four significant digits, over the same number of scored tokens; bad arguments are errors.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use kvx_e2e::{kvx, kvx_ok, oracle_python, root, test_model};
+use serde_json::{Value, json};
+
+const TEXT: &str = "The history of the printing press begins in the fifteenth century, when \
+    Johannes Gutenberg combined movable metal type, oil-based ink and a wooden press adapted \
+    from those used for wine. Within fifty years presses operated in more than two hundred \
+    cities across Europe, and the price of books fell so far that reading spread from monks \
+    and scholars to merchants, craftsmen and their families. Pamphlets, newspapers and \
+    scientific journals followed, and ideas moved faster than ever before. Rivers carried \
+    the paper, mills along their banks beat rags into pulp, and printers settled where trade \
+    routes crossed, so that Venice, Antwerp and Lyon became capitals of the new craft. ";
+
+fn oracle_perplexity(text: &str, ctx: usize) -> Value {
+    let mut child = Command::new(oracle_python())
+        .arg(root().join("tests/oracle/oracle.py"))
+        .args(["perplexity", "--model"])
+        .arg(test_model())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("oracle");
+    let req = json!({"text": text, "ctx": ctx});
+    child.stdin.take().expect("stdin").write_all(format!("{req}\n").as_bytes()).expect("write");
+    let out = child.wait_with_output().expect("oracle output");
+    assert!(out.status.success(), "oracle failed");
+    serde_json::from_slice(&out.stdout).expect("oracle json")
+}
+
+#[test]
+fn perplexity_matches_llama_perplexity() {
+    let dir = std::env::temp_dir().join(format!("kvx-eval-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("text.txt");
+    // Three paraphrases' worth of text: windows that differ.
+    let text = format!("{TEXT}{}{}", TEXT.replace("press", "machine"), TEXT.to_uppercase());
+    std::fs::write(&file, &text).expect("write");
+    let path = file.to_str().expect("path");
+    for ctx in [128usize, 256] {
+        let want = oracle_perplexity(&text, ctx);
+        let out =
+            kvx_ok(&["eval", "perplexity", "--file", path, "--ctx", &ctx.to_string(), "--json"]);
+        let got: Value = serde_json::from_str(out.trim()).expect("kvx json");
+        assert_eq!(got["tokens"], want["tokens"], "ctx {ctx}: {got} vs {want}");
+        assert_eq!(got["chunks"], want["chunks"], "ctx {ctx}");
+        assert!(got["chunks"].as_u64().is_some_and(|c| c >= 1), "{got}");
+        let (a, b) = (got["ppl"].as_f64().expect("ppl"), want["ppl"].as_f64().expect("ppl"));
+        assert!(a > 1.0 && a < 1000.0, "{a}");
+        assert!((a - b).abs() / b < 5e-5, "ctx {ctx}: kvx {a} vs llama.cpp {b}");
+    }
+    // Too short a text, and a batch kvx cannot follow, are errors.
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "Hello.").expect("write");
+    let out = kvx(&["eval", "perplexity", "--file", short.to_str().expect("path")]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fewer than one window"));
+    let out = kvx(&["eval", "perplexity", "--file", path, "--ctx", "1024", "--batch", "256"]);
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
