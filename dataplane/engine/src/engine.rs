@@ -174,6 +174,34 @@ pub struct SeqEvent {
     pub prompt_start: u32,
 }
 
+impl SeqEvent {
+    /// An event of `id` with its usage and nothing else (no token, text or end).
+    fn bare(id: RequestId, usage: Usage) -> Self {
+        SeqEvent {
+            id,
+            token: None,
+            logprob: 0.0,
+            top: 0..0,
+            text: 0..0,
+            finish: None,
+            usage,
+            prefilled: false,
+            prompt: 0..0,
+            prompt_start: 0,
+        }
+    }
+}
+
+/// A sequence's token counts with `completion` tokens generated.
+fn usage_of(seq: &crate::scheduler::Sequence, completion: usize) -> Usage {
+    Usage {
+        prompt_tokens: seq.prompt_len as u32,
+        completion_tokens: completion as u32,
+        cached_tokens: seq.cached_prompt as u32,
+        kv_transfer_us: 0,
+    }
+}
+
 /// A prompt token's score in a step's output.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PromptScore {
@@ -687,23 +715,9 @@ impl Engine {
                 self.stats.prompt_tokens += seq.prompt_len as u64;
                 self.stats.cached_tokens += seq.cached_prompt as u64;
             }
-            self.out.events.push(SeqEvent {
-                id: st.id,
-                token: None,
-                logprob: 0.0,
-                top: 0..0,
-                text: 0..0,
-                finish: None,
-                usage: Usage {
-                    prompt_tokens: seq.prompt_len as u32,
-                    completion_tokens: 0,
-                    cached_tokens: seq.cached_prompt as u32,
-                    kv_transfer_us: 0,
-                },
-                prefilled: true,
-                prompt: 0..0,
-                prompt_start: 0,
-            });
+            self.out
+                .events
+                .push(SeqEvent { prefilled: true, ..SeqEvent::bare(st.id, usage_of(seq, 0)) });
         }
     }
 
@@ -739,18 +753,8 @@ impl Engine {
         let t0 = Instant::now();
         self.out.clear();
         for (id, usage) in self.cancelled.drain(..) {
-            self.out.events.push(SeqEvent {
-                id,
-                token: None,
-                logprob: 0.0,
-                top: 0..0,
-                text: 0..0,
-                finish: Some(FinishReason::Cancelled),
-                usage,
-                prefilled: false,
-                prompt: 0..0,
-                prompt_start: 0,
-            });
+            let finish = Some(FinishReason::Cancelled);
+            self.out.events.push(SeqEvent { finish, ..SeqEvent::bare(id, usage) });
             self.stats.finished += 1;
         }
         let now = self.clock_ms();
@@ -842,23 +846,8 @@ impl Engine {
                     self.stats.cached_tokens += seq.cached_prompt as u64;
                 }
                 let id = st.id;
-                self.out.events.push(SeqEvent {
-                    id,
-                    token: None,
-                    logprob: 0.0,
-                    top: 0..0,
-                    text: 0..0,
-                    finish: Some(FinishReason::Length),
-                    usage: Usage {
-                        prompt_tokens: seq.prompt_len as u32,
-                        completion_tokens: 0,
-                        cached_tokens: seq.cached_prompt as u32,
-                        kv_transfer_us: 0,
-                    },
-                    prefilled: false,
-                    prompt: 0..0,
-                    prompt_start: 0,
-                });
+                let finish = Some(FinishReason::Length);
+                self.out.events.push(SeqEvent { finish, ..SeqEvent::bare(id, usage_of(seq, 0)) });
                 self.by_id.remove(&id);
                 self.sched.remove(sid);
                 self.states[sid] = None;
@@ -884,21 +873,9 @@ impl Engine {
                 st.output.flush(tok, &mut self.out.text);
                 let id = st.id;
                 self.out.events.push(SeqEvent {
-                    id,
-                    token: None,
-                    logprob: 0.0,
-                    top: 0..0,
                     text: text_start..self.out.text.len(),
                     finish: Some(FinishReason::Stop),
-                    usage: Usage {
-                        prompt_tokens: seq.prompt_len as u32,
-                        completion_tokens: st.output.generated() as u32,
-                        cached_tokens: seq.cached_prompt as u32,
-                        kv_transfer_us: 0,
-                    },
-                    prefilled: false,
-                    prompt: 0..0,
-                    prompt_start: 0,
+                    ..SeqEvent::bare(id, usage_of(seq, st.output.generated()))
                 });
                 self.by_id.remove(&id);
                 self.sched.remove(sid);
@@ -935,24 +912,14 @@ impl Engine {
                 finish = Some(FinishReason::Stop);
             }
             let Some(seq) = self.sched.seq(sid) else { continue };
-            let usage = Usage {
-                prompt_tokens: seq.prompt_len as u32,
-                completion_tokens: st.output.generated() as u32,
-                cached_tokens: seq.cached_prompt as u32,
-                kv_transfer_us: 0,
-            };
             let id = st.id;
             self.out.events.push(SeqEvent {
-                id,
                 token: Some(s.token),
                 logprob: s.logprob,
                 top: top_start..self.out.top.len(),
                 text: text_start..self.out.text.len(),
                 finish,
-                usage,
-                prefilled: false,
-                prompt: 0..0,
-                prompt_start: 0,
+                ..SeqEvent::bare(id, usage_of(seq, st.output.generated()))
             });
             if finish.is_some() {
                 self.by_id.remove(&id);
@@ -1040,21 +1007,9 @@ impl Engine {
             return;
         }
         self.out.events.push(SeqEvent {
-            id: st.id,
-            token: None,
-            logprob: 0.0,
-            top: 0..0,
-            text: 0..0,
-            finish: None,
-            usage: Usage {
-                prompt_tokens: seq.prompt_len as u32,
-                completion_tokens: 0,
-                cached_tokens: seq.cached_prompt as u32,
-                kv_transfer_us: 0,
-            },
-            prefilled: false,
             prompt: prompt_start..self.out.prompt.len(),
             prompt_start: start as u32,
+            ..SeqEvent::bare(st.id, usage_of(seq, 0))
         });
     }
 

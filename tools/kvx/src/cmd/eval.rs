@@ -76,11 +76,8 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
             args.ctx
         );
     }
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
-    let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
-    setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(args.concurrency.max(1));
-    let prepared = setup.prepare()?;
+    let text = read(&args.file)?;
+    let prepared = prepare(&args.engine, rt, args.concurrency)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     // As llama-perplexity tokenizes: the model's BOS, special-token text left as text.
     let bos = tok.bos_id().filter(|_| tok.add_bos());
@@ -107,11 +104,8 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
 }
 
 fn loglik(args: LoglikArgs, rt: &Runtime) -> Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
-    let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
-    setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(args.concurrency.max(1));
-    let prepared = setup.prepare()?;
+    let text = read(&args.file)?;
+    let prepared = prepare(&args.engine, rt, args.concurrency)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let inputs = read_inputs(tok, &text)?;
     if inputs.is_empty() {
@@ -131,4 +125,15 @@ fn loglik(args: LoglikArgs, rt: &Runtime) -> Result<()> {
         writeln!(out, "{line}")?;
     }
     Ok(())
+}
+
+fn read(path: &std::path::Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The model's engine set-up for this process, sized for `concurrency` sequences.
+fn prepare(opts: &EngineOpts, rt: &Runtime, concurrency: usize) -> Result<kvx_worker::Prepared> {
+    let mut setup = opts.setup(rt, EngineKind::Model, true)?;
+    setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(concurrency.max(1));
+    Ok(setup.prepare()?)
 }
