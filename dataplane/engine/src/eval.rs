@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 use kvx_tokenizer::Tokenizer;
 
+use crate::scheduler::PROMPT_BATCH;
 use crate::{Engine, EngineError};
 
 /// Why an evaluation could not run.
@@ -199,6 +200,36 @@ pub struct Perplexity {
     pub scored: usize,
     /// Windows of `ctx` tokens.
     pub chunks: usize,
+}
+
+/// The perplexity of `text` as llama-perplexity computes it with `-c ctx -b batch`: the text
+/// tokenized as it tokenizes (the model's BOS when it adds one, special-token text left as
+/// text), then [`perplexity`]. `batch` must be [`PROMPT_BATCH`] or at least `ctx`: prompts
+/// are computed in llama.cpp's batches of that size. Also returns the text's token count.
+pub fn perplexity_of_text(
+    engine: &mut Engine,
+    tok: &Tokenizer,
+    text: &str,
+    ctx: usize,
+    batch: usize,
+    concurrency: usize,
+) -> Result<(Perplexity, usize), EvalError> {
+    if batch != PROMPT_BATCH && batch < ctx {
+        return Err(EvalError::Input {
+            index: 0,
+            message: format!(
+                "a batch of {batch} tokens: kvx computes prompts in batches of {PROMPT_BATCH}, \
+                 so the batch must be {PROMPT_BATCH} or at least the window ({ctx})"
+            ),
+        });
+    }
+    let bos = tok.bos_id().filter(|_| tok.add_bos());
+    let mut tokens: Vec<u32> = bos.into_iter().collect();
+    tokens.extend(
+        tok.encode(text, false)
+            .map_err(|e| EvalError::Input { index: 0, message: e.to_string() })?,
+    );
+    Ok((perplexity(engine, &tokens, ctx, bos, concurrency)?, tokens.len()))
 }
 
 /// The perplexity of `tokens` in windows of `ctx` tokens, as `llama-perplexity` computes it:

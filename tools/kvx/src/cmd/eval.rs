@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kvx_worker::EngineKind;
-use kvx_worker::eval::{loglikelihoods, read_inputs};
+use kvx_worker::eval::{loglikelihoods, perplexity_of_text, read_inputs};
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -70,21 +70,12 @@ pub(crate) fn run(args: EvalArgs, rt: &Runtime) -> Result<()> {
 }
 
 fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
-    if args.batch != 512 && args.batch < args.ctx {
-        bail!(
-            "--batch must be 512 or at least --ctx ({}): prompts are computed in 512-token batches",
-            args.ctx
-        );
-    }
     let text = read(&args.file)?;
     let prepared = prepare(&args.engine, rt, args.concurrency)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
-    // As llama-perplexity tokenizes: the model's BOS, special-token text left as text.
-    let bos = tok.bos_id().filter(|_| tok.add_bos());
-    let mut tokens: Vec<u32> = bos.into_iter().collect();
-    tokens.extend(tok.encode(&text, false)?);
     let mut engine = prepared.engine(0)?;
-    let p = kvx_worker::eval::perplexity(&mut engine, &tokens, args.ctx, bos, args.concurrency)?;
+    let (p, n_text) =
+        perplexity_of_text(&mut engine, tok, &text, args.ctx, args.batch, args.concurrency)?;
     if args.json {
         let v = serde_json::json!({
             "ppl": p.ppl, "nll": p.nll, "tokens": p.scored, "chunks": p.chunks, "ctx": args.ctx,
@@ -92,12 +83,8 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
         println!("{v}");
     } else {
         println!(
-            "perplexity {:.4} over {} tokens ({} windows of {}; {} tokens in the text)",
-            p.ppl,
-            p.scored,
-            p.chunks,
-            args.ctx,
-            tokens.len()
+            "perplexity {:.4} over {} tokens ({} windows of {}; {n_text} tokens in the text)",
+            p.ppl, p.scored, p.chunks, args.ctx
         );
     }
     Ok(())
