@@ -1,6 +1,7 @@
 //! `kvx eval perplexity` against llama.cpp: the same text, windows and scoring as
 //! llama-perplexity (computed by the oracle on llama.cpp's logits) give the same perplexity to
-//! four significant digits, over the same number of scored tokens; bad arguments are errors.
+//! four significant digits, over the same number of scored tokens; bad arguments are errors;
+//! `--save-logits` / `--kl-divergence` measure one arithmetic against another.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -62,5 +63,39 @@ fn perplexity_matches_llama_perplexity() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("fewer than one window"));
     let out = kvx(&["eval", "perplexity", "--file", path, "--ctx", "1024", "--batch", "256"]);
     assert!(!out.status.success());
+
+    // KL divergence against a saved base: the exact arithmetic's rows compare equal to
+    // themselves; the fast arithmetic's sit a small, nonzero distance away with the same
+    // most likely tokens nearly everywhere; a base of another window is refused.
+    let base = dir.join("exact.logp");
+    let base = base.to_str().expect("path");
+    let run = |extra: &[&str]| -> Value {
+        let mut a = vec!["eval", "perplexity", "--file", path, "--ctx", "128", "--json"];
+        a.extend_from_slice(extra);
+        serde_json::from_str(kvx_ok(&a).trim()).expect("json")
+    };
+    let saved = run(&["--save-logits", base]);
+    assert!(saved.get("kld_mean").is_none(), "{saved}");
+    let same = run(&["--kl-divergence", base]);
+    assert_eq!((same["kld_max"].as_f64(), same["top1"].as_f64()), (Some(0.0), Some(1.0)), "{same}");
+    assert_eq!(same["ppl"], saved["ppl"]);
+    let fast = run(&["--kl-divergence", base, "--arith", "fast"]);
+    let kld = fast["kld_mean"].as_f64().expect("kld");
+    // Where the CPU has no row-lane kernels `fast` is `exact` (and says so).
+    match fast["arith"].as_str() {
+        Some("fast") => assert!(kld > 0.0 && kld < 0.01, "{fast}"),
+        _ => assert_eq!((fast["arith"].as_str(), kld), (Some("exact"), 0.0), "{fast}"),
+    }
+    assert!(fast["top1"].as_f64().expect("top1") > 0.9, "{fast}");
+    assert!(
+        (fast["ppl_base"].as_f64().expect("base") / saved["ppl"].as_f64().expect("ppl") - 1.0)
+            .abs()
+            < 1e-5
+    );
+    let one = run(&["--chunks", "1"]);
+    assert_eq!(one["chunks"], 1);
+    let out = kvx(&["eval", "perplexity", "--file", path, "--ctx", "64", "--kl-divergence", base]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another text, window"));
     let _ = std::fs::remove_dir_all(&dir);
 }

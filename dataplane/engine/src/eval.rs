@@ -1,17 +1,21 @@
-//! Model evaluation on an engine, from the prompt scores it computes: the log-likelihood of a
-//! continuation given a context (lm-eval's `loglikelihood` request), and the perplexity of a
-//! text scored in windows as llama.cpp's `llama-perplexity` scores it.
+//! Model evaluation: the log-likelihood of a continuation given a context (lm-eval's
+//! `loglikelihood` request, from the prompt scores an engine computes), and the perplexity of
+//! a text scored in windows as llama.cpp's `llama-perplexity` scores it, with the KL
+//! divergence of every scored token's distribution from a saved base's (an arithmetic
+//! measured against another, as `llama-perplexity --kl-divergence` does).
 //!
 //! Texts are split into tokens as lm-eval splits them for a causal model, so a score here and
 //! one lm-eval receives from `kvx serve` (`echo` + `logprobs`) are of the same tokens.
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
 
+use kvx_kernels::model::{AttnMode, Logits, SeqChunk};
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 use kvx_tokenizer::Tokenizer;
 
-use crate::scheduler::PROMPT_BATCH;
-use crate::{Engine, EngineError};
+pub use crate::scheduler::PROMPT_BATCH;
+use crate::{Backend, Engine, EngineError};
 
 /// Why an evaluation could not run.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +31,9 @@ pub enum EvalError {
     /// The engine failed.
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// A saved log-probability file could not be written or read, or does not match.
+    #[error("log-probability file: {0}")]
+    Logprobs(String),
 }
 
 /// One continuation's score.
@@ -200,19 +207,133 @@ pub struct Perplexity {
     pub scored: usize,
     /// Windows of `ctx` tokens.
     pub chunks: usize,
+    /// Against a saved base, how far each scored token's distribution moved.
+    pub kl: Option<KlStats>,
+}
+
+/// The distance of one run's next-token distributions from a base run's over the same
+/// scored tokens (as `llama-perplexity --kl-divergence` reports it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KlStats {
+    /// KL(base ‖ this), in nats: mean over the scored tokens.
+    pub kld_mean: f64,
+    /// The standard error of that mean (the tokens' standard deviation / √n).
+    pub kld_se: f64,
+    /// Its median.
+    pub kld_median: f64,
+    /// Its 99th percentile.
+    pub kld_p99: f64,
+    /// Its maximum.
+    pub kld_max: f64,
+    /// Share of tokens whose most likely next token is the base's.
+    pub top1: f64,
+    /// Mean of p(this) − p(base) of the text's actual next token.
+    pub dp_mean: f64,
+    /// Root mean square of the same.
+    pub dp_rms: f64,
+    /// The base's perplexity over the same tokens.
+    pub ppl_base: f64,
+}
+
+/// Where a perplexity run's log-probability rows go and what they are measured against:
+/// `save` receives every scored token's log-softmax row (a base for later runs), `base`
+/// gives the rows of an earlier run of the same text, window and model.
+#[derive(Default)]
+pub struct Rows<'a> {
+    /// Written: a header, then each scored token's `n_vocab` log-probabilities (f32, LE).
+    pub save: Option<&'a mut dyn Write>,
+    /// Read: a file `save` wrote.
+    pub base: Option<&'a mut dyn Read>,
+}
+
+impl std::fmt::Debug for Rows<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rows")
+            .field("save", &self.save.is_some())
+            .field("base", &self.base.is_some())
+            .finish()
+    }
+}
+
+/// Magic and version of a saved log-probability file.
+const ROWS_MAGIC: &[u8; 8] = b"KVXLGP01";
+
+/// The header of a saved log-probability file: what the rows are of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowsHeader {
+    n_vocab: u32,
+    ctx: u32,
+    chunks: u32,
+    first: u32,
+    /// FNV-1a of the windows' tokens.
+    tokens: u64,
+}
+
+impl RowsHeader {
+    fn write(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        w.write_all(ROWS_MAGIC)?;
+        for v in [self.n_vocab, self.ctx, self.chunks, self.first] {
+            w.write_all(&v.to_le_bytes())?;
+        }
+        w.write_all(&self.tokens.to_le_bytes())
+    }
+
+    fn read(r: &mut dyn Read) -> Result<Self, EvalError> {
+        let mut b = [0u8; 32];
+        r.read_exact(&mut b)
+            .map_err(|e| EvalError::Logprobs(format!("reading its header: {e}")))?;
+        if &b[..8] != ROWS_MAGIC {
+            return Err(EvalError::Logprobs(
+                "not a file of `kvx eval perplexity --save-logits`".into(),
+            ));
+        }
+        let u = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut t = [0u8; 8];
+        t.copy_from_slice(&b[24..32]);
+        Ok(RowsHeader {
+            n_vocab: u(8),
+            ctx: u(12),
+            chunks: u(16),
+            first: u(20),
+            tokens: u64::from_le_bytes(t),
+        })
+    }
+}
+
+fn fnv1a(tokens: impl Iterator<Item = u32>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// The perplexity of `text` as llama-perplexity computes it with `-c ctx -b batch`: the text
 /// tokenized as it tokenizes (the model's BOS when it adds one, special-token text left as
-/// text), then [`perplexity`]. `batch` must be [`PROMPT_BATCH`] or at least `ctx`: prompts
+/// text), then [`perplexity`]. `batch` must be [`PROMPT_BATCH`] or at least `ctx`: windows
 /// are computed in llama.cpp's batches of that size. Also returns the text's token count.
 pub fn perplexity_of_text(
-    engine: &mut Engine,
+    backend: &mut dyn Backend,
+    block_size: usize,
     tok: &Tokenizer,
     text: &str,
-    ctx: usize,
-    batch: usize,
-    concurrency: usize,
+    (ctx, batch): (usize, usize),
+    rows: Rows<'_>,
+) -> Result<(Perplexity, usize), EvalError> {
+    perplexity_of_text_upto(backend, block_size, tok, text, (ctx, batch, usize::MAX), rows)
+}
+
+/// [`perplexity_of_text`] over the first `max_chunks` windows at most (llama-perplexity's
+/// `--chunks`).
+pub fn perplexity_of_text_upto(
+    backend: &mut dyn Backend,
+    block_size: usize,
+    tok: &Tokenizer,
+    text: &str,
+    (ctx, batch, max_chunks): (usize, usize, usize),
+    rows: Rows<'_>,
 ) -> Result<(Perplexity, usize), EvalError> {
     if batch != PROMPT_BATCH && batch < ctx {
         return Err(EvalError::Input {
@@ -229,48 +350,221 @@ pub fn perplexity_of_text(
         tok.encode(text, false)
             .map_err(|e| EvalError::Input { index: 0, message: e.to_string() })?,
     );
-    Ok((perplexity(engine, &tokens, ctx, bos, concurrency)?, tokens.len()))
+    let n = tokens.len();
+    tokens.truncate(max_chunks.saturating_mul(ctx).min(n));
+    Ok((perplexity(backend, block_size, &tokens, ctx, bos, rows)?, n))
 }
 
 /// The perplexity of `tokens` in windows of `ctx` tokens, as `llama-perplexity` computes it:
 /// the text is cut into `tokens.len() / ctx` windows (the rest is dropped), each computed on
-/// its own with its first token replaced by `bos` when the model starts prompts with one,
-/// and in each window the tokens of its second half are scored (those after position
-/// `ctx / 2`, each given every token of the window before it).
+/// its own with its first token replaced by `bos` when the model starts prompts with one, in
+/// llama.cpp's batches (up to [`PROMPT_BATCH`] / `ctx` windows together, or a longer window
+/// in batches of [`PROMPT_BATCH`]); in each window the tokens of its second half are scored
+/// (those after position `ctx / 2`, each given every token of the window before it).
+/// `backend` holds `block_size`-token KV blocks; the windows overwrite its blocks from 0.
 pub fn perplexity(
-    engine: &mut Engine,
+    backend: &mut dyn Backend,
+    block_size: usize,
     tokens: &[u32],
     ctx: usize,
     bos: Option<u32>,
-    concurrency: usize,
+    mut rows: Rows<'_>,
 ) -> Result<Perplexity, EvalError> {
+    let input = |message: String| EvalError::Input { index: 0, message };
     if ctx < 4 {
-        return Err(EvalError::Input { index: 0, message: format!("a window of {ctx} tokens") });
+        return Err(input(format!("a window of {ctx} tokens")));
     }
     let chunks = tokens.len() / ctx;
     if chunks == 0 {
-        return Err(EvalError::Input {
-            index: 0,
-            message: format!(
-                "the text has {} tokens, fewer than one window of {ctx}",
-                tokens.len()
-            ),
-        });
+        return Err(input(format!(
+            "the text has {} tokens, fewer than one window of {ctx}",
+            tokens.len()
+        )));
+    }
+    let nb = ctx.div_ceil(block_size.max(1));
+    let per_step = if ctx <= PROMPT_BATCH { PROMPT_BATCH / ctx } else { 1 };
+    let per_step = per_step.min(backend.n_blocks() / nb).min(chunks);
+    if per_step == 0 {
+        return Err(input(format!(
+            "a window of {ctx} tokens needs {nb} KV blocks of {block_size}; the cache holds {}",
+            backend.n_blocks()
+        )));
     }
     let first = ctx / 2;
-    let windows: Vec<(Vec<u32>, usize)> = tokens
+    let windows: Vec<Vec<u32>> = tokens
         .chunks_exact(ctx)
         .map(|w| {
             let mut w = w.to_vec();
             if let Some(b) = bos {
                 w[0] = b;
             }
-            // Tokens first + 1.. are scored: the "context" is the window up to `first`.
-            (w, first + 1)
+            w
         })
         .collect();
-    let scores = loglikelihoods(engine, &windows, concurrency)?;
-    let nll: f64 = scores.iter().map(|s| -s.logprob).sum();
+    let v = backend.n_vocab();
+    let header = RowsHeader {
+        n_vocab: v as u32,
+        ctx: ctx as u32,
+        chunks: chunks as u32,
+        first: first as u32,
+        tokens: fnv1a(windows.iter().flatten().copied()),
+    };
+    let io = |what: &str, e: std::io::Error| EvalError::Logprobs(format!("{what}: {e}"));
+    if let Some(w) = rows.save.as_deref_mut() {
+        header.write(w).map_err(|e| io("writing", e))?;
+    }
+    if let Some(r) = rows.base.as_deref_mut() {
+        let h = RowsHeader::read(r)?;
+        if h != header {
+            return Err(EvalError::Logprobs(format!(
+                "it holds rows of another text, window or vocabulary ({} windows of {} tokens, \
+                 vocabulary {}; this run: {chunks} of {ctx}, vocabulary {v})",
+                h.chunks, h.ctx, h.n_vocab
+            )));
+        }
+    }
+
+    let tables: Vec<Vec<u32>> =
+        (0..per_step).map(|j| ((j * nb) as u32..((j + 1) * nb) as u32).collect()).collect();
+    let rows_per_step = if ctx <= PROMPT_BATCH { per_step * ctx } else { PROMPT_BATCH };
+    let mut logits = vec![0f32; rows_per_step * v];
+    let mut sc = Scorer::new(v, rows.base.is_some());
+    let mut step: Vec<SeqChunk<'_>> = Vec::with_capacity(per_step);
+    for group in windows.chunks(per_step) {
+        // Batches of the group: all its windows together (`ctx` ≤ the batch), or one window's
+        // consecutive batches.
+        let batches: Vec<(usize, usize)> = if ctx <= PROMPT_BATCH {
+            vec![(0, ctx)]
+        } else {
+            (0..ctx).step_by(PROMPT_BATCH).map(|b| (b, (b + PROMPT_BATCH).min(ctx))).collect()
+        };
+        for &(b, e) in &batches {
+            step.clear();
+            for (j, w) in group.iter().enumerate() {
+                step.push(SeqChunk {
+                    tokens: &w[b..e],
+                    start_pos: b,
+                    block_table: &tables[j],
+                    logits: Logits::All,
+                    mode: if e - b >= 2 { AttnMode::Prefill } else { AttnMode::Decode },
+                });
+            }
+            backend.forward(&step, &mut logits)?;
+            for (j, w) in group.iter().enumerate() {
+                for pos in (b..e).filter(|&p| p >= first && p + 1 < ctx) {
+                    let r = (j * (e - b) + pos - b) * v;
+                    sc.score(&logits[r..r + v], w[pos + 1] as usize, &mut rows)?;
+                }
+            }
+        }
+    }
     let scored = chunks * (ctx - 1 - first);
-    Ok(Perplexity { ppl: (nll / scored as f64).exp(), nll, scored, chunks })
+    Ok(Perplexity {
+        ppl: (sc.nll / scored as f64).exp(),
+        nll: sc.nll,
+        scored,
+        chunks,
+        kl: rows.base.is_some().then(|| sc.kl_stats()),
+    })
+}
+
+/// Per-token scoring of a perplexity run: the log-softmax of each row, its negative
+/// log-likelihood, and (against a base) the row's divergence from the base's.
+struct Scorer {
+    nll: f64,
+    lp: Vec<f32>,
+    bytes: Vec<u8>,
+    base: Vec<f32>,
+    kld: Vec<f64>,
+    top1: usize,
+    dp: Vec<f64>,
+    base_nll: f64,
+}
+
+impl Scorer {
+    fn new(v: usize, with_base: bool) -> Self {
+        Scorer {
+            nll: 0.0,
+            lp: vec![0.0; v],
+            bytes: vec![0; v * 4],
+            base: if with_base { vec![0.0; v] } else { Vec::new() },
+            kld: Vec::new(),
+            top1: 0,
+            dp: Vec::new(),
+            base_nll: 0.0,
+        }
+    }
+
+    fn score(&mut self, row: &[f32], target: usize, rows: &mut Rows<'_>) -> Result<(), EvalError> {
+        // As llama-perplexity: the maximum subtracted in f32, the exponentials summed in f64.
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let lse = sum.ln();
+        for (o, &l) in self.lp.iter_mut().zip(row) {
+            *o = (f64::from(l - max) - lse) as f32;
+        }
+        let lp_t = f64::from(row[target] - max) - lse;
+        self.nll -= lp_t;
+        let io = |what: &str, e: std::io::Error| EvalError::Logprobs(format!("{what}: {e}"));
+        if let Some(w) = rows.save.as_deref_mut() {
+            for (b, l) in self.bytes.chunks_exact_mut(4).zip(&self.lp) {
+                b.copy_from_slice(&l.to_le_bytes());
+            }
+            w.write_all(&self.bytes).map_err(|e| io("writing", e))?;
+        }
+        if let Some(r) = rows.base.as_deref_mut() {
+            r.read_exact(&mut self.bytes).map_err(|e| io("reading a row", e))?;
+            for (b, l) in self.bytes.chunks_exact(4).zip(self.base.iter_mut()) {
+                *l = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            let mut kld = 0.0;
+            for (&b, &c) in self.base.iter().zip(&self.lp) {
+                let (b, c) = (f64::from(b), f64::from(c));
+                kld += b.exp() * (b - c);
+            }
+            self.kld.push(kld.max(0.0));
+            if first_max(&self.base) == first_max(&self.lp) {
+                self.top1 += 1;
+            }
+            let lb = f64::from(self.base[target]);
+            // Both rows as saved (f32), so a run compares equal to its own base.
+            self.dp.push(f64::from(self.lp[target]).exp() - lb.exp());
+            self.base_nll -= lb;
+        }
+        Ok(())
+    }
+
+    fn kl_stats(&mut self) -> KlStats {
+        let n = self.kld.len().max(1) as f64;
+        let mean = self.kld.iter().sum::<f64>() / n;
+        let var =
+            self.kld.iter().map(|k| (k - mean) * (k - mean)).sum::<f64>() / (n - 1.0).max(1.0);
+        self.kld.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            let i = ((q * self.kld.len() as f64).ceil() as usize).saturating_sub(1);
+            self.kld.get(i.min(self.kld.len().saturating_sub(1))).copied().unwrap_or(0.0)
+        };
+        KlStats {
+            kld_mean: mean,
+            kld_se: (var / n).sqrt(),
+            kld_median: at(0.5),
+            kld_p99: at(0.99),
+            kld_max: self.kld.last().copied().unwrap_or(0.0),
+            top1: self.top1 as f64 / n,
+            dp_mean: self.dp.iter().sum::<f64>() / n,
+            dp_rms: (self.dp.iter().map(|d| d * d).sum::<f64>() / n).sqrt(),
+            ppl_base: (self.base_nll / n).exp(),
+        }
+    }
+}
+
+/// Index of the first maximum.
+fn first_max(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
 }

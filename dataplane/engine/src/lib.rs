@@ -9,6 +9,7 @@ pub mod engine;
 pub mod eval;
 pub mod mocker;
 pub mod output;
+pub mod reference;
 pub mod sampler;
 pub mod scheduler;
 
@@ -19,6 +20,7 @@ pub use engine::{
     Admission, Backend, Engine, EngineConfig, EngineStats, ModelBackend, PromptScore, SeqEvent,
     StepOutput,
 };
+pub use reference::ReferenceBackend;
 pub use scheduler::LowerTiers;
 
 /// Errors of the engine, classified for the request path.

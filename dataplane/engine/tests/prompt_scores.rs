@@ -174,22 +174,3 @@ fn pairs_split_as_lm_eval_splits_them() {
     assert_eq!(inputs[1], (vec![1, 2, 3], 2));
     assert!(eval::read_inputs(&tok, "{\"context\":1}").is_err());
 }
-
-#[test]
-fn perplexity_refuses_what_it_cannot_score_as_llama_perplexity_does() {
-    let m = model();
-    let tok = common::tokenizer();
-    let mut e = engine(&m, 64, sched(512, true));
-    let text = "The sky is blue and the grass is green. ".repeat(20);
-    // A batch other than llama.cpp's 512 that splits a window.
-    let err = eval::perplexity_of_text(&mut e, &tok, &text, 1024, 256, 1).unwrap_err();
-    assert!(err.to_string().contains("batch"), "{err}");
-    // Fewer tokens than one window.
-    let err = eval::perplexity_of_text(&mut e, &tok, "Hello.", 64, 512, 1).unwrap_err();
-    assert!(err.to_string().contains("fewer than one window"), "{err}");
-    // Windows of 64: the tokens after position 32 of each are scored.
-    let (p, n) = eval::perplexity_of_text(&mut e, &tok, &text, 64, 512, 2).expect("ppl");
-    assert_eq!(p.chunks, n / 64);
-    assert_eq!(p.scored, p.chunks * 31);
-    assert!(p.ppl > 1.0 && p.ppl.is_finite(), "{p:?}");
-}

@@ -14,6 +14,7 @@ pub mod setup;
 pub mod shard;
 pub mod store;
 
+pub use kvx_kernels::model::Arith;
 pub use remote::{Hosted, RemoteConfig, RemoteError};
 pub use setup::{
     EngineKind, EngineLimits, EngineSetup, MockerSetup, ModelMeta, Prepared, SetupError, Started,

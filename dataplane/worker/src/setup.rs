@@ -14,11 +14,10 @@ use std::time::Duration;
 
 use kvx_engine::mocker::{MockBackend, MockConfig};
 use kvx_engine::scheduler::SchedulerConfig;
-use kvx_engine::{Engine, EngineConfig, EngineError, ModelBackend};
+use kvx_engine::{Backend, Engine, EngineConfig, EngineError, ModelBackend, ReferenceBackend};
 use kvx_kernels::cpu::Kernels;
-use kvx_kernels::cpu::lanes::LaneMath;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{KvCache, KvLayout, KvMemory, LlamaConfig, LlamaModel};
+use kvx_kernels::model::{Arith, KvCache, KvLayout, KvMemory, LlamaConfig, LlamaModel};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::WorkerId;
 use kvx_proto::plane::WorkerRole;
@@ -139,8 +138,8 @@ pub struct EngineSetup {
     pub model: Option<PathBuf>,
     /// The kernel table (the `--simd` choice or the best level).
     pub kernels: &'static Kernels,
-    /// Products with one rounding per block and row instead of ggml's association.
-    pub fast_math: bool,
+    /// The arithmetic model engines compute in.
+    pub arith: Arith,
     /// Scheduler limits.
     pub limits: EngineLimits,
     /// KV cache bytes per engine (default: a quarter of RAM, at most 4 GiB, split between
@@ -273,7 +272,7 @@ impl EngineSetup {
             kind,
             model,
             kernels,
-            fast_math: false,
+            arith: Arith::Exact,
             limits: EngineLimits::default(),
             kv_cache_bytes: None,
             engines: 1,
@@ -296,6 +295,15 @@ impl EngineSetup {
     /// Whether any engine takes part in disaggregated serving.
     pub fn disaggregated(&self) -> bool {
         (0..self.engines).any(|i| self.role(i) != WorkerRole::Agg)
+    }
+
+    /// The arithmetic model engines really compute in: `fast` is `exact` where the kernel
+    /// level has no row-lane products.
+    pub fn effective_arith(&self) -> Arith {
+        match self.arith {
+            Arith::Fast if self.kernels.lanes.is_none() => Arith::Exact,
+            a => a,
+        }
     }
 
     /// `engines` tokenizer-free mock engines of `blocks` KV blocks each, drawing tokens below
@@ -347,6 +355,12 @@ impl EngineSetup {
         if self.roles.len() > self.engines {
             return bad("more roles than engines");
         }
+        if self.arith == Arith::Reference && (self.tiers.is_some() || self.disaggregated()) {
+            return bad(
+                "the reference arithmetic keeps an f32 KV cache of its own: no KV tiers and no \
+                 prefill/decode roles",
+            );
+        }
         if let Some(t) = &self.tiers {
             if self.kind != EngineKind::Model {
                 return bad("KV tiers (--kv-host-bytes, --kv-disk) need model engines");
@@ -386,11 +400,12 @@ impl EngineSetup {
                 let file = GgufFile::open(path).map_err(|e| model_err("opening", path, e))?;
                 let mut model =
                     LlamaModel::load(Arc::new(file)).map_err(|e| model_err("loading", path, e))?;
-                let math = if self.fast_math { LaneMath::Fast } else { LaneMath::Exact };
-                let bytes = model
-                    .repack(self.kernels, math)
-                    .map_err(|e| model_err("repacking", path, e))?;
-                tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
+                if let Some(math) = self.arith.lane_math() {
+                    let bytes = model
+                        .repack(self.kernels, math)
+                        .map_err(|e| model_err("repacking", path, e))?;
+                    tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
+                }
                 let sched = self.limits.sched(model.cfg.context_length);
                 let budget =
                     self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);
@@ -455,13 +470,8 @@ impl EngineSetup {
             Ok(buf)
         };
         let mut buf = read().map_err(|e| model_err("reading", path, e))?;
-        let shape = [
-            self.limits.block_size,
-            cfg.n_layer,
-            cfg.n_head_kv,
-            cfg.head_dim,
-            usize::from(self.fast_math),
-        ];
+        let shape =
+            [self.limits.block_size, cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.arith as usize];
         for v in shape {
             buf.extend_from_slice(&(v as u64).to_le_bytes());
         }
@@ -558,6 +568,49 @@ impl Prepared {
         }
     }
 
+    /// The backend of one engine: the mocker, or the model in the setup's arithmetic, its
+    /// kernel threads pinned to `cores` when given, its cache in `kv_memory` when given.
+    fn make_backend(
+        &self,
+        cores: Vec<usize>,
+        kv_memory: Option<Box<dyn KvMemory>>,
+    ) -> Result<Box<dyn Backend>, EngineError> {
+        let model = match &self.backing {
+            Backing::Mocker(mock, _) => return Ok(Box::new(MockBackend::new(mock.clone()))),
+            Backing::Model(model) => model,
+        };
+        let threads = self.setup.threads_per_engine;
+        let pool = if cores.is_empty() {
+            ThreadPool::new(threads)
+        } else {
+            ThreadPool::with_start_hook(threads, move |i| {
+                if let Some(&c) = cores.get(i) {
+                    shard::pin_current(c);
+                }
+            })
+        }
+        .map_err(|e| EngineError::Internal(format!("starting kernel threads: {e}")))?;
+        let max_ctx = self.sched.max_model_len.min(self.kv_blocks * self.sched.block_size);
+        let (m, k, bs) = (model.clone(), self.setup.kernels, self.sched.block_size);
+        let (t, n) = (self.sched.max_batched_tokens, self.kv_blocks);
+        Ok(match kv_memory {
+            None if self.setup.arith == Arith::Reference => {
+                Box::new(ReferenceBackend::new(m, pool, n, bs, t, max_ctx)?)
+            }
+            None => Box::new(ModelBackend::new(m, k, pool, n, bs, t, max_ctx)?),
+            Some(mem) => {
+                Box::new(ModelBackend::with_kv_memory(m, k, pool, n, bs, t, max_ctx, mem)?)
+            }
+        })
+    }
+
+    /// One engine's backend on its own, for work that drives the model step by step without
+    /// a scheduler (`kvx eval perplexity`).
+    pub fn backend(&self) -> Result<Box<dyn Backend>, SetupError> {
+        self.make_backend(Vec::new(), None)
+            .map_err(|source| SetupError::Engine { index: 0, source })
+    }
+
     fn make(
         &self,
         worker_id: WorkerId,
@@ -566,41 +619,8 @@ impl Prepared {
     ) -> Result<Engine, EngineError> {
         let cfg = EngineConfig { sched: self.sched.clone(), worker_id };
         let quarantine = self.setup.kv_link.timeout + Duration::from_secs(5);
-        let engine = match &self.backing {
-            Backing::Mocker(mock, _) => {
-                Engine::new(cfg, Box::new(MockBackend::new(mock.clone())), self.tokenizer.clone())
-            }
-            Backing::Model(model) => {
-                let threads = self.setup.threads_per_engine;
-                let pool = if cores.is_empty() {
-                    ThreadPool::new(threads)
-                } else {
-                    ThreadPool::with_start_hook(threads, move |i| {
-                        if let Some(&c) = cores.get(i) {
-                            shard::pin_current(c);
-                        }
-                    })
-                }
-                .map_err(|e| EngineError::Internal(format!("starting kernel threads: {e}")))?;
-                let max_ctx = self.sched.max_model_len.min(self.kv_blocks * self.sched.block_size);
-                let (m, k, bs) = (model.clone(), self.setup.kernels, self.sched.block_size);
-                let t = self.sched.max_batched_tokens;
-                let backend = match kv_memory {
-                    None => ModelBackend::new(m, k, pool, self.kv_blocks, bs, t, max_ctx)?,
-                    Some(mem) => ModelBackend::with_kv_memory(
-                        m,
-                        k,
-                        pool,
-                        self.kv_blocks,
-                        bs,
-                        t,
-                        max_ctx,
-                        mem,
-                    )?,
-                };
-                Engine::new(cfg, Box::new(backend), self.tokenizer.clone())
-            }
-        };
+        let backend = self.make_backend(cores, kv_memory)?;
+        let engine = Engine::new(cfg, backend, self.tokenizer.clone());
         Ok(engine.with_kv_quarantine(quarantine))
     }
 

@@ -194,28 +194,7 @@ impl LlamaModel {
         s.out_rows.clear();
         let mut argmax_only = true;
         for (ci, ch) in chunks.iter().enumerate() {
-            let end = ch.start_pos + ch.tokens.len();
-            if ch.tokens.is_empty() {
-                return Err(ModelError::Batch("a chunk has no tokens".into()));
-            }
-            if end > s.max_ctx {
-                return Err(ModelError::Batch(format!(
-                    "position {end} exceeds the context of {} this engine was sized for",
-                    s.max_ctx
-                )));
-            }
-            if ch.block_table.len() * kv.block_size() < end {
-                return Err(ModelError::Batch("block table shorter than the sequence".into()));
-            }
-            if let Some(&b) = ch.block_table.iter().find(|&&b| b as usize >= kv.n_blocks()) {
-                return Err(ModelError::Batch(format!("block id {b} out of range")));
-            }
-            if let Some(&t) = ch.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-                return Err(ModelError::Batch(format!(
-                    "token id {t} is outside the vocabulary of {}",
-                    c.n_vocab
-                )));
-            }
+            check_chunk(ch, s.max_ctx, kv.n_blocks(), kv.block_size(), c.n_vocab)?;
             if s.tok.len() + ch.tokens.len() > s.max_tokens {
                 return Err(ModelError::Batch(format!("step exceeds {} tokens", s.max_tokens)));
             }
@@ -521,6 +500,38 @@ impl LlamaModel {
         }
         Ok(m)
     }
+}
+
+/// Checks one chunk of a step against the engine's sizes: tokens present and in the
+/// vocabulary, positions within `max_ctx`, a block table that covers them with valid ids.
+pub(super) fn check_chunk(
+    ch: &SeqChunk<'_>,
+    max_ctx: usize,
+    n_blocks: usize,
+    block_size: usize,
+    n_vocab: usize,
+) -> Result<(), ModelError> {
+    let end = ch.start_pos + ch.tokens.len();
+    if ch.tokens.is_empty() {
+        return Err(ModelError::Batch("a chunk has no tokens".into()));
+    }
+    if end > max_ctx {
+        return Err(ModelError::Batch(format!(
+            "position {end} exceeds the context of {max_ctx} this engine was sized for"
+        )));
+    }
+    if ch.block_table.len() * block_size < end {
+        return Err(ModelError::Batch("block table shorter than the sequence".into()));
+    }
+    if let Some(&b) = ch.block_table.iter().find(|&&b| b as usize >= n_blocks) {
+        return Err(ModelError::Batch(format!("block id {b} out of range")));
+    }
+    if let Some(&t) = ch.tokens.iter().find(|&&t| t as usize >= n_vocab) {
+        return Err(ModelError::Batch(format!(
+            "token id {t} is outside the vocabulary of {n_vocab}"
+        )));
+    }
+    Ok(())
 }
 
 /// Steps of at least this many tokens run their per-token work (norms, rope, activation

@@ -1,19 +1,60 @@
 //! The llama-family model: configuration from GGUF metadata, weights borrowed from the
-//! memory-mapped file, a paged f16 KV cache, and the batched forward pass.
+//! memory-mapped file, a paged f16 KV cache, and the batched forward pass; and the reference
+//! arithmetic (f32 weights and activations, f64 sums, an f32 cache) that the others are
+//! measured against.
 
 mod config;
 mod forward;
 mod kv;
+mod reference;
 mod weights;
 
 pub use config::{LlamaConfig, RopeKind};
 pub use forward::{Logits, Scratch, SeqChunk};
 pub use kv::{KvCache, KvLayout, KvMemory};
+pub use reference::{RefKv, RefScratch};
 pub use weights::{LayerWeights, LlamaModel, MatRef};
 
 pub use crate::ops::AttnMode;
 
 use crate::KernelError;
+use crate::cpu::lanes::LaneMath;
+
+/// The arithmetic a model engine computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Arith {
+    /// ggml's association everywhere (activations quantized per weight type, f16 cache,
+    /// f16-rounded queries and attention probabilities): llama.cpp's logits bit for bit.
+    #[default]
+    Exact,
+    /// As `Exact`, with the quantized products rounded once per block and row
+    /// ([`LaneMath::Fast`]) where the CPU has row-lane kernels.
+    Fast,
+    /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
+    /// the base the others are measured against; slow.
+    Reference,
+}
+
+impl Arith {
+    /// The name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arith::Exact => "exact",
+            Arith::Fast => "fast",
+            Arith::Reference => "reference",
+        }
+    }
+
+    /// The row-lane products the weights are repacked for (`None`: the reference
+    /// arithmetic reads the weights as the file holds them).
+    pub fn lane_math(self) -> Option<LaneMath> {
+        match self {
+            Arith::Exact => Some(LaneMath::Exact),
+            Arith::Fast => Some(LaneMath::Fast),
+            Arith::Reference => None,
+        }
+    }
+}
 
 /// Errors from loading a model or running a step.
 #[derive(Debug, thiserror::Error)]

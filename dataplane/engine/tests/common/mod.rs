@@ -48,6 +48,7 @@ pub fn engine(model: &Arc<LlamaModel>, blocks: usize, sched: SchedulerConfig) ->
 }
 
 /// 16 distinct prompts of different lengths (token ids; no tokenizer needed).
+#[allow(dead_code)] // not every test file uses them
 pub fn prompts() -> Vec<Vec<u32>> {
     (0..16u32)
         .map(|i| {
@@ -57,6 +58,7 @@ pub fn prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
+#[allow(dead_code)] // not every test file builds requests
 pub fn request(i: usize, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         id: RequestId(i as u64 + 1),

@@ -91,8 +91,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
         if v.is_empty() { 0.0 } else { v[v.len() / 2] }
     };
     let (pp_med, tg_med) = (med(&mut pp), med(&mut tg));
-    // `--fast-math` takes effect only where the level has the row-lane kernels.
-    let math = if setup.fast_math && kernels.lanes.is_some() { "fast" } else { "ggml-exact" };
+    let math = setup.effective_arith().name();
     if args.json {
         println!(
             "{}",

@@ -6,9 +6,27 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use clap::builder::FalseyValueParser;
-use kvx_worker::{EngineKind, EngineLimits, EngineSetup, TierSetup};
+use kvx_worker::{Arith, EngineKind, EngineLimits, EngineSetup, TierSetup};
 
 use super::Runtime;
+
+/// `--arith` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ArithArg {
+    Exact,
+    Fast,
+    Reference,
+}
+
+impl From<ArithArg> for Arith {
+    fn from(a: ArithArg) -> Arith {
+        match a {
+            ArithArg::Exact => Arith::Exact,
+            ArithArg::Fast => Arith::Fast,
+            ArithArg::Reference => Arith::Reference,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Args)]
 pub(crate) struct EngineOpts {
@@ -40,11 +58,15 @@ pub(crate) struct EngineOpts {
     /// Do not reuse KV blocks across requests.
     #[arg(long, env = "KVX_NO_PREFIX_CACHING", value_parser = FalseyValueParser::new())]
     pub(crate) no_prefix_caching: bool,
-    /// Compute quantized matrix products with one rounding per block and row instead of
-    /// ggml's association: about twice the arithmetic rate on AVX-512, but logits then
-    /// differ from llama.cpp's in rounding, which a quantized model amplifies, so greedy
-    /// tokens can diverge from llama.cpp's.
-    #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new())]
+    /// The arithmetic: `exact` (ggml's association: llama.cpp's logits bit for bit), `fast`
+    /// (quantized products rounded once per block and row: about twice the arithmetic rate
+    /// on AVX-512; logits within rounding of `exact`'s) or `reference` (the model's own math
+    /// on its quantized weights: f32 activations and cache, f64 sums; slow, the base that
+    /// `kvx eval perplexity --kl-divergence` measures the others against).
+    #[arg(long, env = "KVX_ARITH", value_enum, default_value_t = ArithArg::Exact)]
+    pub(crate) arith: ArithArg,
+    /// The same as `--arith fast`.
+    #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new(), conflicts_with = "arith")]
     pub(crate) fast_math: bool,
     /// Host memory per engine for KV blocks below its pool (tier G2), in bytes: every block
     /// the pool registers is copied there, and a prompt found there is loaded, not computed.
@@ -74,7 +96,7 @@ impl EngineOpts {
         let model =
             if model_needed { Some(rt.store.resolve(self.model.as_deref())?) } else { None };
         let mut s = EngineSetup::new(kind, model, rt.kernels()?);
-        s.fast_math = self.fast_math;
+        s.arith = if self.fast_math { Arith::Fast } else { self.arith.into() };
         s.kv_cache_bytes = self.kv_cache_bytes;
         s.limits = EngineLimits {
             block_size: self.block_size,

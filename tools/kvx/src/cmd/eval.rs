@@ -1,12 +1,14 @@
 //! `kvx eval`: measure the model on the engine in this process (no server).
 
-use std::io::Write;
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kvx_worker::EngineKind;
-use kvx_worker::eval::{loglikelihoods, perplexity_of_text, read_inputs};
+use kvx_worker::eval::PROMPT_BATCH;
+use kvx_worker::eval::{Rows, loglikelihoods, perplexity_of_text_upto, read_inputs};
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -37,10 +39,22 @@ struct PerplexityArgs {
     /// prompts in llama.cpp's 512-token batches).
     #[arg(long, default_value_t = 512)]
     batch: usize,
-    /// Windows in the engine at once.
-    #[arg(long, default_value_t = 2)]
-    concurrency: usize,
-    /// Print one JSON object (`ppl`, `nll`, `tokens`, `chunks`, `ctx`).
+    /// Score the first N windows only (llama-perplexity's `--chunks`).
+    #[arg(long, value_name = "N")]
+    chunks: Option<usize>,
+    /// Write every scored token's log-probabilities (its whole distribution: `n_vocab`
+    /// f32 per token, ~200 KB per token for a 49k vocabulary) to FILE, as a base for
+    /// `--kl-divergence` (llama-perplexity's `--kl-divergence-base`).
+    #[arg(long, value_name = "FILE")]
+    save_logits: Option<PathBuf>,
+    /// Compare with a base FILE written by `--save-logits` over the same text and window:
+    /// KL divergence of each scored token's distribution from the base's (mean, median,
+    /// p99, max), top-1 agreement, and Δp of the actual next token.
+    #[arg(long, value_name = "FILE")]
+    kl_divergence: Option<PathBuf>,
+    /// Print one JSON object (`ppl`, `nll`, `tokens`, `chunks`, `ctx`, `arith`; with a base,
+    /// `kld_mean`, `kld_se`, `kld_median`, `kld_p99`, `kld_max`, `top1`, `dp_mean`, `dp_rms`,
+    /// `ppl_base`).
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -71,21 +85,70 @@ pub(crate) fn run(args: EvalArgs, rt: &Runtime) -> Result<()> {
 
 fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let text = read(&args.file)?;
-    let prepared = prepare(&args.engine, rt, args.concurrency)?;
+    let prepared = prepare(&args.engine, rt, 1)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
-    let mut engine = prepared.engine(0)?;
-    let (p, n_text) =
-        perplexity_of_text(&mut engine, tok, &text, args.ctx, args.batch, args.concurrency)?;
+    let mut backend = prepared.backend()?;
+    let mut save = match &args.save_logits {
+        Some(p) => Some(BufWriter::new(
+            File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let mut base = match &args.kl_divergence {
+        Some(p) => {
+            Some(BufReader::new(File::open(p).with_context(|| format!("opening {}", p.display()))?))
+        }
+        None => None,
+    };
+    let rows = Rows {
+        save: save.as_mut().map(|w| w as &mut dyn Write),
+        base: base.as_mut().map(|r| r as &mut dyn std::io::Read),
+    };
+    let bs = prepared.sched().block_size;
+    let shape = (args.ctx, args.batch, args.chunks.unwrap_or(usize::MAX));
+    let (p, n_text) = perplexity_of_text_upto(backend.as_mut(), bs, tok, &text, shape, rows)?;
+    if let Some(mut w) = save {
+        w.flush().context("writing the log-probabilities")?;
+    }
+    let arith = prepared.setup().effective_arith().name();
     if args.json {
-        let v = serde_json::json!({
-            "ppl": p.ppl, "nll": p.nll, "tokens": p.scored, "chunks": p.chunks, "ctx": args.ctx,
+        let mut v = serde_json::json!({
+            "ppl": p.ppl, "nll": p.nll, "tokens": p.scored, "chunks": p.chunks,
+            "ctx": args.ctx, "arith": arith,
         });
+        if let Some(k) = &p.kl {
+            v["kld_mean"] = k.kld_mean.into();
+            v["kld_se"] = k.kld_se.into();
+            v["kld_median"] = k.kld_median.into();
+            v["kld_p99"] = k.kld_p99.into();
+            v["kld_max"] = k.kld_max.into();
+            v["top1"] = k.top1.into();
+            v["dp_mean"] = k.dp_mean.into();
+            v["dp_rms"] = k.dp_rms.into();
+            v["ppl_base"] = k.ppl_base.into();
+        }
         println!("{v}");
     } else {
         println!(
-            "perplexity {:.4} over {} tokens ({} windows of {}; {n_text} tokens in the text)",
+            "perplexity {:.4} over {} tokens ({} windows of {}; {n_text} tokens in the text; \
+             {arith} arithmetic)",
             p.ppl, p.scored, p.chunks, args.ctx
         );
+        if let Some(k) = &p.kl {
+            println!(
+                "against the base (perplexity {:.4}): KL divergence mean {:.6} ± {:.6}, median {:.6}, \
+                 p99 {:.6}, max {:.6}; top-1 agreement {:.2} %; Δp mean {:+.5}, rms {:.5}",
+                k.ppl_base,
+                k.kld_mean,
+                k.kld_se,
+                k.kld_median,
+                k.kld_p99,
+                k.kld_max,
+                100.0 * k.top1,
+                k.dp_mean,
+                k.dp_rms
+            );
+        }
     }
     Ok(())
 }
@@ -122,5 +185,7 @@ fn read(path: &std::path::Path) -> Result<String> {
 fn prepare(opts: &EngineOpts, rt: &Runtime, concurrency: usize) -> Result<kvx_worker::Prepared> {
     let mut setup = opts.setup(rt, EngineKind::Model, true)?;
     setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(concurrency.max(1));
+    // Windows run in llama.cpp's prompt batches.
+    setup.limits.max_batched_tokens = setup.limits.max_batched_tokens.max(PROMPT_BATCH);
     Ok(setup.prepare()?)
 }

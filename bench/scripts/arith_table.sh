@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Every arithmetic measured against the reference (the model's own math on its quantized
+# weights: f32 activations and cache, f64 sums): KL divergence of each scored token's
+# next-token distribution (mean, p99), top-1 agreement and perplexity over a text the tests do
+# not use, then each arithmetic's speed: prompt (pp512) and single-stream decode (tg128) tok/s
+# from `kvx bench engine`, and 16 concurrent greedy streams of 128 tokens from `kvx generate`
+# (alternating runs, medians).
+# Usage: bench/scripts/arith_table.sh [runs]
+#   KVX=path/to/kvx  TEXT=file (default: the GPL-3 text of Debian's base-files)
+#   CTX=512 CHUNKS=6 (windows scored)  THREADS=2  ARITHS="exact fast"
+#   BASE=file: a reference base saved earlier (`kvx eval perplexity --arith reference
+#   --save-logits file` over the same text, window and chunks) instead of a new pass
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+KVX=${KVX:-target/release/kvx}
+RUNS=${1:-3}
+TEXT=${TEXT:-/usr/share/common-licenses/GPL-3}
+CTX=${CTX:-512}
+CHUNKS=${CHUNKS:-6}
+THREADS=${THREADS:-2}
+ARITHS=${ARITHS:-exact fast}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) cores; text: $TEXT; ctx $CTX, $CHUNKS windows" >&2
+
+ppl=(eval perplexity --file "$TEXT" --ctx "$CTX" --chunks "$CHUNKS" --threads "$THREADS" --json)
+if [ -n "${BASE:-}" ]; then
+  ref=$BASE
+  "$KVX" "${ppl[@]}" --arith exact --kl-divergence "$ref" \
+    | python3 -c 'import json,sys; q=json.load(sys.stdin); print(json.dumps({"ppl": q["ppl_base"], "tokens": q["tokens"], "chunks": q["chunks"], "ctx": q["ctx"]}))' \
+    > "$tmp/q.reference.json"
+else
+  ref=$tmp/ref.logp
+  echo "reference pass (slow)..." >&2
+  start=$(date +%s)
+  "$KVX" "${ppl[@]}" --arith reference --save-logits "$ref" > "$tmp/q.reference.json"
+  echo "reference: $(( $(date +%s) - start )) s" >&2
+fi
+for a in $ARITHS; do
+  "$KVX" "${ppl[@]}" --arith "$a" --kl-divergence "$ref" > "$tmp/q.$a.json"
+done
+
+python3 - "$tmp" <<'PY'
+import random, sys
+d = sys.argv[1]
+topics = ["rain", "the moon", "bread", "rivers", "chess", "bees", "glass", "volcanoes",
+          "trains", "coffee", "maps", "owls", "tides", "paper", "salt", "wind"]
+with open(f"{d}/sixteen.txt", "w") as f:
+    for t in topics:
+        f.write(f"Write a long, detailed essay about {t}, covering its history, science and culture.\n")
+PY
+for r in $(seq "$RUNS"); do
+  for a in $ARITHS; do
+    "$KVX" bench engine --arith "$a" --threads "$THREADS" --pp 512 --tg 128 --reps 3 --json \
+        2>/dev/null > "$tmp/s.$a.$r.json"
+    "$KVX" generate --arith "$a" --threads "$THREADS" --prompts-file "$tmp/sixteen.txt" --chat \
+        --concurrency 16 --temperature 0 --max-tokens 128 --ignore-eos --json \
+        2>/dev/null > "$tmp/g.$a.$r.jsonl"
+  done
+done
+
+python3 - "$tmp" "$RUNS" $ARITHS <<'PY'
+import json, statistics, sys
+d, runs, ariths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+med = statistics.median
+ref = json.load(open(f"{d}/q.reference.json"))
+print(f"reference perplexity {ref['ppl']:.4f} over {ref['tokens']} tokens ({ref['chunks']} windows of {ref['ctx']})\n")
+print("| arithmetic | KLD mean | KLD p99 | top-1 | perplexity (Δ vs exact) | pp512 tok/s | tg128 tok/s | 16 streams tok/s |")
+print("|---|---|---|---|---|---|---|---|")
+base_ppl = None
+for a in ariths:
+    q = json.load(open(f"{d}/q.{a}.json"))
+    if base_ppl is None:
+        base_ppl = q["ppl"]
+    pp = [json.load(open(f"{d}/s.{a}.{r}.json"))["pp_tok_s"] for r in range(1, runs + 1)]
+    tg = [json.load(open(f"{d}/s.{a}.{r}.json"))["tg_tok_s"] for r in range(1, runs + 1)]
+    g = []
+    for r in range(1, runs + 1):
+        rows = [json.loads(l) for l in open(f"{d}/g.{a}.{r}.jsonl")]
+        g.append(sum(len(j["token_ids"]) for j in rows) / (max(j["e2e_ms"] for j in rows) / 1e3))
+    dppl = 100 * (q["ppl"] / base_ppl - 1)
+    print(f"| {q['arith']} | {q['kld_mean']:.6f} ± {q['kld_se']:.6f} | {q['kld_p99']:.5f} | {100 * q['top1']:.2f} % | "
+          f"{q['ppl']:.4f} ({dppl:+.2f} %) | {med(pp):.0f} | {med(tg):.0f} | {med(g):.0f} |")
+print(f"| reference | 0 | 0 | 100 % | {ref['ppl']:.4f} | – | – | – |")
+PY

@@ -1,0 +1,184 @@
+//! Perplexity and KL divergence on the real model (`eval::perplexity`): windows scored as
+//! llama-perplexity scores them, the same numbers the scheduler's prompt scores give, a saved
+//! base that compares equal to itself and refuses another text, and the reference arithmetic
+//! (f32/f64, `ReferenceBackend`) close to the fast kernels, batch-invariant, and measured
+//! against them with the KL divergence.
+//!
+//! Needs `KVX_TEST_MODEL` (the default model; `cargo xtask test` exports it).
+
+mod common;
+
+use common::{engine, model, sched};
+use kvx_engine::eval::{self, Rows};
+use kvx_engine::{Backend, ModelBackend, ReferenceBackend};
+use kvx_kernels::cpu;
+use kvx_kernels::model::{AttnMode, LlamaModel, Logits, SeqChunk};
+use kvx_kernels::par::ThreadPool;
+use std::sync::Arc;
+
+const TEXT: &str = "The sky is blue and the grass is green. Rivers run to the sea, and \
+    the sea gives the rain back to the hills; in spring the fields are ploughed and sown, \
+    in autumn the harvest is brought in before the first frost. ";
+
+fn kernels(m: &Arc<LlamaModel>, blocks: usize) -> ModelBackend {
+    let pool = ThreadPool::new(2).expect("pool");
+    ModelBackend::new(m.clone(), cpu::kernels(), pool, blocks, 16, 512, 1024).expect("backend")
+}
+
+fn reference(m: &Arc<LlamaModel>, blocks: usize) -> ReferenceBackend {
+    let pool = ThreadPool::new(2).expect("pool");
+    ReferenceBackend::new(m.clone(), pool, blocks, 16, 512, 1024).expect("backend")
+}
+
+#[test]
+fn perplexity_is_the_sum_of_the_engines_prompt_scores_and_refuses_what_it_cannot_score() {
+    let m = model();
+    let tok = common::tokenizer();
+    let mut b = kernels(&m, 64);
+    let text = TEXT.repeat(3);
+    // A batch other than llama.cpp's 512 that splits a window.
+    let err = eval::perplexity_of_text(&mut b, 16, &tok, &text, (1024, 256), Rows::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("batch"), "{err}");
+    // Fewer tokens than one window.
+    let err = eval::perplexity_of_text(&mut b, 16, &tok, "Hello.", (64, 512), Rows::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("fewer than one window"), "{err}");
+    // A window the cache cannot hold.
+    let mut small = kernels(&m, 2);
+    let err = eval::perplexity_of_text(&mut small, 16, &tok, &text, (64, 512), Rows::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("KV blocks"), "{err}");
+
+    // Windows of 64: the tokens after position 32 of each are scored, several windows per
+    // step (512 / 64), as llama.cpp batches them.
+    let (p, n) =
+        eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), Rows::default()).expect("ppl");
+    assert_eq!(p.chunks, n / 64);
+    assert!(p.chunks >= 2, "{p:?}");
+    assert_eq!(p.scored, p.chunks * 31);
+    assert!(p.ppl > 1.0 && p.ppl.is_finite() && p.kl.is_none(), "{p:?}");
+
+    // The same windows as scored prompts through the scheduler: the same log-likelihoods.
+    let bos = tok.bos_id().filter(|_| tok.add_bos());
+    let mut tokens: Vec<u32> = bos.into_iter().collect();
+    tokens.extend(tok.encode(&text, false).expect("encode"));
+    let windows: Vec<(Vec<u32>, usize)> = tokens
+        .chunks_exact(64)
+        .map(|w| {
+            let mut w = w.to_vec();
+            if let Some(b) = bos {
+                w[0] = b;
+            }
+            (w, 33)
+        })
+        .collect();
+    let mut e = engine(&m, 64, sched(512, true));
+    let nll: f64 =
+        eval::loglikelihoods(&mut e, &windows, 2).expect("loglik").iter().map(|l| -l.logprob).sum();
+    assert!((nll - p.nll).abs() < 1e-4 * p.nll, "scheduler {nll} vs windows {}", p.nll);
+}
+
+#[test]
+fn a_saved_base_compares_equal_to_itself_and_refuses_another_text() {
+    let m = model();
+    let tok = common::tokenizer();
+    let mut b = kernels(&m, 64);
+    let text = TEXT.repeat(3);
+    let mut saved = Vec::new();
+    let rows = Rows { save: Some(&mut saved), base: None };
+    let (p, _) = eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), rows).expect("save");
+    assert_eq!(saved.len(), 32 + p.scored * m.cfg.n_vocab * 4);
+
+    let rows = Rows { save: None, base: Some(&mut saved.as_slice()) };
+    let (q, _) = eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), rows).expect("kld");
+    let k = q.kl.expect("kl stats");
+    assert_eq!(q.ppl, p.ppl);
+    assert_eq!((k.kld_mean, k.kld_max, k.top1, k.dp_rms), (0.0, 0.0, 1.0, 0.0), "{k:?}");
+    assert!((k.ppl_base - p.ppl).abs() < 1e-5 * p.ppl, "{k:?} vs {p:?}");
+
+    // Another window, another text, a truncated file: clear errors.
+    for (ctx, text, bytes) in [
+        (32, text.as_str(), saved.len()),
+        (64, &*TEXT.repeat(4), saved.len()),
+        (64, text.as_str(), saved.len() / 2),
+    ] {
+        let rows = Rows { save: None, base: Some(&mut &saved[..bytes]) };
+        let err = eval::perplexity_of_text(&mut b, 16, &tok, text, (ctx, 512), rows).unwrap_err();
+        assert!(matches!(err, eval::EvalError::Logprobs(_)), "{err}");
+    }
+    let rows = Rows { save: None, base: Some(&mut &b"not a base"[..]) };
+    let err = eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), rows).unwrap_err();
+    assert!(err.to_string().contains("header") || err.to_string().contains("not a file"), "{err}");
+}
+
+/// All rows of one prompt computed by `b`, in steps of the given sizes.
+fn rows(b: &mut dyn Backend, p: &[u32], steps: &[usize]) -> Vec<f32> {
+    let v = b.n_vocab();
+    let table: Vec<u32> = (0..p.len().div_ceil(16) as u32).collect();
+    let mut out = Vec::new();
+    let mut logits = vec![0.0; p.len() * v];
+    let mut start = 0;
+    for &n in steps {
+        let chunk = SeqChunk {
+            tokens: &p[start..start + n],
+            start_pos: start,
+            block_table: &table,
+            logits: Logits::All,
+            mode: if n >= 2 { AttnMode::Prefill } else { AttnMode::Decode },
+        };
+        b.forward(&[chunk], &mut logits).expect("forward");
+        out.extend_from_slice(&logits[..n * v]);
+        start += n;
+    }
+    assert_eq!(start, p.len());
+    out
+}
+
+#[test]
+fn the_reference_arithmetic_is_close_to_the_kernels_batch_invariant_and_measured_by_kld() {
+    let m = model();
+    let tok = common::tokenizer();
+    let p: Vec<u32> = tok
+        .encode("The capital of France is Paris, and the capital of Italy is", true)
+        .expect("encode");
+    let n = p.len();
+    let v = m.cfg.n_vocab;
+    let mut r = reference(&m, 8);
+    let whole = rows(&mut r, &p, &[n]);
+    // Batch invariance: the same rows, bit for bit, from other splits of the prompt.
+    let split = rows(&mut r, &p, &[5, 1, n - 6]);
+    assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()));
+    // Close to the kernels' (ggml's association with quantized activations and an f16
+    // cache): the same most likely next token almost everywhere, logits within a few
+    // tenths, and the continuation the model knows.
+    let mut f = kernels(&m, 8);
+    let exact = rows(&mut f, &p, &[n]);
+    let argmax =
+        |row: &[f32]| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
+    let mut agree = 0;
+    let mut worst = 0f32;
+    for i in 0..n {
+        let (a, b) = (&whole[i * v..(i + 1) * v], &exact[i * v..(i + 1) * v]);
+        assert!(a.iter().all(|x| x.is_finite()));
+        agree += usize::from(argmax(a) == argmax(b));
+        worst = a.iter().zip(b).fold(worst, |w, (x, y)| w.max((x - y).abs()));
+    }
+    assert!(agree + 1 >= n, "top-1 agreed on {agree} of {n} rows");
+    assert!(worst < 1.5, "logits differ by up to {worst}");
+    let rome = tok.encode(" Rome", false).expect("encode")[0] as usize;
+    assert_eq!(argmax(&whole[(n - 1) * v..]), rome);
+
+    // The kernels measured against the reference: a small, nonzero divergence.
+    let text = TEXT.repeat(2);
+    let mut base = Vec::new();
+    let rows_ = Rows { save: Some(&mut base), base: None };
+    let (pr, _) = eval::perplexity_of_text(&mut r, 16, &tok, &text, (48, 512), rows_).expect("ref");
+    let rows_ = Rows { save: None, base: Some(&mut base.as_slice()) };
+    let (pe, _) = eval::perplexity_of_text(&mut f, 16, &tok, &text, (48, 512), rows_).expect("kld");
+    let k = pe.kl.expect("kl");
+    assert!(k.kld_mean > 0.0 && k.kld_mean < 0.02, "{k:?}");
+    assert!(k.top1 > 0.9, "{k:?}");
+    assert!((pe.ppl / pr.ppl - 1.0).abs() < 0.05, "{} vs {}", pe.ppl, pr.ppl);
+    assert!((k.ppl_base / pr.ppl - 1.0).abs() < 1e-5, "{k:?}");
+}
