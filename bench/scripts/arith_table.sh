@@ -6,22 +6,26 @@
 # from `kvx bench engine`, and 16 concurrent greedy streams of 128 tokens from `kvx generate`
 # (alternating runs, medians).
 # Usage: bench/scripts/arith_table.sh [runs]
-#   KVX=path/to/kvx  TEXT=file (default: the GPL-3 text of Debian's base-files)
-#   CTX=512 CHUNKS=6 (windows scored)  THREADS=2  ARITHS="exact fast"
+#   KVX=path/to/kvx  TEXT=file (default: the GPL-3, GFDL-1.3 and Apache-2.0 texts of
+#   Debian's base-files, one after the other: 7,395 scored tokens at CTX 512)
+#   CTX=512 CHUNKS=100 (windows scored at most)  THREADS=2  ARITHS="exact fast"
 #   BASE=file: a reference base saved earlier (`kvx eval perplexity --arith reference
 #   --save-logits file` over the same text, window and chunks) instead of a new pass
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 KVX=${KVX:-target/release/kvx}
 RUNS=${1:-3}
-TEXT=${TEXT:-/usr/share/common-licenses/GPL-3}
 CTX=${CTX:-512}
-CHUNKS=${CHUNKS:-6}
+CHUNKS=${CHUNKS:-100}
 THREADS=${THREADS:-2}
 ARITHS=${ARITHS:-exact fast}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) cores; text: $TEXT; ctx $CTX, $CHUNKS windows" >&2
+if [ -z "${TEXT:-}" ]; then
+  TEXT=$tmp/text.txt
+  cat /usr/share/common-licenses/{GPL-3,GFDL-1.3,Apache-2.0} > "$TEXT"
+fi
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) (family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs), model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | xargs)), $(nproc) cores; text: $TEXT; ctx $CTX, $CHUNKS windows" >&2
 
 ppl=(eval perplexity --file "$TEXT" --ctx "$CTX" --chunks "$CHUNKS" --threads "$THREADS" --json)
 if [ -n "${BASE:-}" ]; then

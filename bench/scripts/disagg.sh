@@ -5,7 +5,12 @@
 #                through `kvx serve --prefill-shards 1 --decode-shards 1 --disagg-min-tokens 0`
 #                and aggregated `kvx serve --shards 2`: identical or not, prompt by prompt.
 #   interference 8 streams decoding 384 tokens (64-token prompts) while 1,500-token prompts
-#                arrive every 4 s (`kvx bench --workload mixed`), 1 prefill + 1 decode shard
+#                arrive at three quarters of one core's prefill rate (every 4 s on the 2-vCPU
+#                Xeon the bar was set on; `--burst-interval auto` measures this machine's rate
+#                with `kvx bench engine --threads 1 --pp 1500`, or give seconds)
+#                (`kvx bench --workload mixed`), 1 prefill + 1 decode shard (with kvx's
+#                default `--disagg-min-tokens 256` the decode shard computes the streams' own
+#                64-token prompts; `--disagg-min-tokens 0` sends every prompt to the prefill shard)
 #                against 2 aggregated shards, alternating, RUNS times: the streams' ITL p99
 #                (ratio aggregated / disaggregated), output tok/s (disaggregated / aggregated),
 #                TTFT p50/p90 of both classes. Medians of the runs.
@@ -22,16 +27,19 @@
 #                workload on Dynamo 1.6.1's mocker (bench/scripts/dynamo_disagg_fleet.sh).
 #
 # Usage: bench/scripts/disagg.sh [--only SECTION[,SECTION]] [--runs N] [--secs S] [--out DIR]
+#                                [--burst-interval S|auto] [--disagg-min-tokens N]
 # Environment: KVX (binary, default target/release/kvx), KVX_HOME (model store).
 set -euo pipefail
 
-ONLY=identity,interference,hosts,fleet RUNS=3 SECS=120 OUT=/tmp/kvx-disagg
+ONLY=identity,interference,hosts,fleet RUNS=3 SECS=120 OUT=/tmp/kvx-disagg BURST=auto MIN_TOKENS=256
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) ONLY=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
     --secs) SECS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --burst-interval) BURST=$2; shift 2 ;;
+    --disagg-min-tokens) MIN_TOKENS=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -76,14 +84,20 @@ if want identity; then
 fi
 
 if want interference; then
-  echo "== interference: 8 streams 64->384 tokens, a 1,500-token prompt every 4 s, $SECS s, $RUNS runs"
+  if [ "$BURST" = auto ]; then
+    PP=$("$KVX" bench engine --model "$GGUF" --threads 1 --pp 1500 --tg 0 --reps 3 --json 2>/dev/null \
+         | python3 -c 'import json, sys; print(json.load(sys.stdin)["pp_tok_s"])')
+    BURST=$(python3 -c "print(round(1500 / (0.75 * $PP), 2))")
+    echo "one core prefills 1,500 tokens at $(printf %.0f "$PP") tok/s: a prompt every $BURST s is three quarters of it"
+  fi
+  echo "== interference: 8 streams 64->384 tokens, a 1,500-token prompt every $BURST s, $SECS s, $RUNS runs"
   MIXED=(--api completions --workload mixed --streams 8 --input-tokens 64 --output-tokens 384
-         --ignore-eos --burst-input-tokens 1500 --burst-output-tokens 16 --burst-interval 4
+         --ignore-eos --burst-input-tokens 1500 --burst-output-tokens 16 --burst-interval "$BURST"
          --duration "$SECS" --tokenizer "$GGUF" --quiet)
   for r in $(seq "$RUNS"); do
     for mode in agg disagg; do
       if [ $mode = agg ]; then serve --engine model --shards 2
-      else serve --engine model --prefill-shards 1 --decode-shards 1; fi
+      else serve --engine model --prefill-shards 1 --decode-shards 1 --disagg-min-tokens "$MIN_TOKENS"; fi
       "$KVX" bench --url "http://$ADDR" "${MIXED[@]}" --seed "$r" --json "$OUT/mixed-$mode-$r.json" >/dev/null
       stop_all
     done

@@ -378,3 +378,67 @@ fn sigterm_cancels_what_outlives_the_grace_period() {
     let rest = String::from_utf8_lossy(&rest);
     assert!(!rest.contains("\"finish_reason\":\"length\""), "finished instead of cancelled");
 }
+
+/// Reads from `sock` until the server closes it or `limit` passes; returns what arrived and
+/// whether it closed.
+fn read_until_closed(sock: &mut TcpStream, limit: Duration) -> (String, bool) {
+    sock.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+    let end = Instant::now() + limit;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while Instant::now() < end {
+        match sock.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), true),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), false)
+}
+
+#[test]
+fn slow_clients_lose_their_connections_after_the_read_timeouts() {
+    use std::io::Write;
+    let mut args = FAST.to_vec();
+    args.extend(["--header-read-timeout", "1", "--body-read-timeout", "1"]);
+    let s = Served::start(&args);
+    let connect = || TcpStream::connect(&s.addr).expect("connect");
+    // Headers that never end (slowloris), and a connection that sends nothing: both closed
+    // after the header timeout, with nothing served.
+    let mut slow = connect();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: kvx\r\nContent-Type: applic")
+        .expect("write");
+    let mut silent = connect();
+    let t0 = Instant::now();
+    let (got, closed) = read_until_closed(&mut slow, Duration::from_secs(10));
+    assert!(closed, "a slow-header connection stayed open {:?}", t0.elapsed());
+    assert!(t0.elapsed() >= Duration::from_millis(800), "closed after {:?}", t0.elapsed());
+    assert!(!got.contains("200 OK"), "{got}");
+    let (_, closed) = read_until_closed(&mut silent, Duration::from_secs(5));
+    assert!(closed, "a silent connection stayed open");
+    // A body that stops half-way: 408, and the connection is not kept.
+    let mut half = connect();
+    half.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: kvx\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"prompt\": \"hel",
+    )
+    .expect("write");
+    let (got, _) = read_until_closed(&mut half, Duration::from_secs(10));
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(got.contains("request_timeout"), "{got}");
+    // Meanwhile and after, normal requests are served.
+    let r = s.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 4}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    // A keep-alive connection that is idle between requests is closed too, not held.
+    let mut idle = connect();
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: kvx\r\n\r\n").expect("write");
+    let (got, closed) = read_until_closed(&mut idle, Duration::from_secs(10));
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(closed, "an idle keep-alive connection stayed open");
+    assert_eq!(s.metric("kvx_inflight_requests"), Some(0.0));
+}

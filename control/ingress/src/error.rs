@@ -91,6 +91,14 @@ impl ApiError {
         }
     }
 
+    /// 408: the request body did not arrive in time.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        ApiError {
+            code: Some("request_timeout"),
+            ..Self::new(StatusCode::REQUEST_TIMEOUT, message)
+        }
+    }
+
     /// 429 with `Retry-After`.
     pub fn overloaded(message: impl Into<String>) -> Self {
         ApiError {

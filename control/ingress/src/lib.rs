@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+mod conn;
 pub mod dispatch;
 pub mod error;
 pub mod fanout;

@@ -2,7 +2,8 @@
 //! `/metrics` and `/status.json`), the status page at `/`, body limits, admission (the
 //! server's bound, then the key's limits), the request path from a JSON body to engine
 //! requests and back (whole responses or SSE streams), cancellation when a client goes away,
-//! graceful shutdown, and the handle that reloads keys and certificate.
+//! graceful shutdown, read timeouts for slow clients, and the handle that reloads keys and
+//! certificate.
 
 use std::collections::HashSet;
 use std::convert::Infallible;
@@ -30,6 +31,7 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::conn;
 use crate::dispatch::{Dispatcher, ModelInfo};
 use crate::error::{ApiError, IngressError};
 use crate::fanout::{self, UsageSum};
@@ -59,6 +61,10 @@ pub struct IngressConfig {
     pub shutdown_grace: Duration,
     /// Requests served at once at most (429 above).
     pub max_inflight: usize,
+    /// A client must send each request's headers within this, or the connection is closed.
+    pub header_read_timeout: Duration,
+    /// A request's body must arrive within this after its headers (408 otherwise).
+    pub body_read_timeout: Duration,
 }
 
 impl Default for IngressConfig {
@@ -70,6 +76,8 @@ impl Default for IngressConfig {
             max_body_bytes: 8 << 20,
             shutdown_grace: Duration::from_secs(30),
             max_inflight: 4096,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -187,27 +195,23 @@ impl Server {
             sh.draining.store(true, Ordering::SeqCst);
             let _ = sig_tx.send(());
         };
+        let header_timeout = shared.cfg.header_read_timeout;
         let mut serve = match shared.cfg.tls.clone() {
             None => {
                 let listener = self.listener.tap_io(|tcp| {
                     let _ = tcp.set_nodelay(true);
                 });
-                tokio::spawn(
-                    axum::serve(listener, app).with_graceful_shutdown(graceful).into_future(),
-                )
+                tokio::spawn(conn::serve(listener, app, header_timeout, graceful))
             }
             Some(tls) => {
                 let listener = TlsListener::new(self.listener, tls);
-                tokio::spawn(
-                    axum::serve(listener, app).with_graceful_shutdown(graceful).into_future(),
-                )
+                tokio::spawn(conn::serve(listener, app, header_timeout, graceful))
             }
         };
         tokio::select! {
             r = &mut serve => {
                 return match r {
-                    Ok(Ok(())) => Ok(ShutdownReport { running_at_signal: 0, cancelled: 0 }),
-                    Ok(Err(e)) => Err(IngressError::Serve(e)),
+                    Ok(()) => Ok(ShutdownReport { running_at_signal: 0, cancelled: 0 }),
                     Err(e) => Err(IngressError::Serve(std::io::Error::other(e.to_string()))),
                 };
             }
@@ -573,7 +577,14 @@ async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> Result<Bytes,
     {
         return Err(ApiError::too_large(limit));
     }
-    match Limited::new(body, limit).collect().await {
+    let body = Limited::new(body, limit).collect();
+    let Ok(collected) = tokio::time::timeout(s.cfg.body_read_timeout, body).await else {
+        return Err(ApiError::request_timeout(format!(
+            "the request body did not arrive within {} s",
+            s.cfg.body_read_timeout.as_secs_f64()
+        )));
+    };
+    match collected {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::too_large(limit)),
         Err(e) => Err(ApiError::bad_request(format!("reading the request body: {e}"), None)),

@@ -791,6 +791,33 @@ mod tests {
     }
 
     #[test]
+    fn the_reference_arithmetic_refuses_tiers_and_roles() {
+        let model = || {
+            let mut s = EngineSetup::new(
+                EngineKind::Model,
+                Some("m.gguf".into()),
+                kvx_kernels::cpu::kernels(),
+            );
+            s.arith = Arith::Reference;
+            s
+        };
+        assert!(model().validate().is_ok());
+        let mut s = model();
+        s.tiers = Some(TierSetup { host_bytes: 1 << 20, disk: None, disk_min_hits: 0 });
+        assert!(matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("reference")));
+        let mut s = model();
+        s.engines = 2;
+        s.roles = vec![WorkerRole::Prefill, WorkerRole::Decode];
+        assert!(matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("reference")));
+        // `fast` is `exact` where the level has no row-lane kernels.
+        let mut s = model();
+        s.arith = Arith::Fast;
+        let scalar = kvx_kernels::cpu::Kernels::for_level(kvx_kernels::cpu::SimdLevel::Scalar);
+        s.kernels = Box::leak(Box::new(scalar.expect("scalar level")));
+        assert_eq!(s.effective_arith(), Arith::Exact);
+    }
+
+    #[test]
     fn started_shards_are_numbered_from_the_first_worker_id() {
         let mut s = mocker();
         s.engines = 3;

@@ -66,6 +66,13 @@ pub(crate) struct HttpOpts {
     /// Requests served at once at most (429 above).
     #[arg(long, env = "KVX_MAX_INFLIGHT", default_value_t = 4096)]
     pub(crate) max_inflight: usize,
+    /// Seconds a client has to send each request's headers before its connection is closed
+    /// (slow-header clients cannot hold connections).
+    #[arg(long, env = "KVX_HEADER_READ_TIMEOUT", default_value_t = 10.0)]
+    pub(crate) header_read_timeout: f64,
+    /// Seconds a request's body has to arrive after its headers (408 otherwise).
+    #[arg(long, env = "KVX_BODY_READ_TIMEOUT", default_value_t = 30.0)]
+    pub(crate) body_read_timeout: f64,
     /// HTTP threads (default: one per core).
     #[arg(long, env = "KVX_HTTP_THREADS")]
     pub(crate) http_threads: Option<usize>,
@@ -76,6 +83,14 @@ impl HttpOpts {
     pub(crate) fn ingress(&self) -> Result<IngressConfig> {
         if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
             bail!("--shutdown-grace must be a non-negative number of seconds");
+        }
+        for (flag, v) in [
+            ("--header-read-timeout", self.header_read_timeout),
+            ("--body-read-timeout", self.body_read_timeout),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v < 1e9) {
+                bail!("{flag} must be a positive number of seconds");
+            }
         }
         let tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => Some(Tls::load(cert, key)?),
@@ -89,6 +104,8 @@ impl HttpOpts {
             max_body_bytes: self.max_body_bytes,
             shutdown_grace: Duration::from_secs_f64(self.shutdown_grace),
             max_inflight: self.max_inflight.max(1),
+            header_read_timeout: Duration::from_secs_f64(self.header_read_timeout),
+            body_read_timeout: Duration::from_secs_f64(self.body_read_timeout),
         })
     }
 

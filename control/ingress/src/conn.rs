@@ -1,0 +1,43 @@
+//! The HTTP/1.1 connection loop: accepts on a listener (plain TCP or TLS) and serves each
+//! connection with hyper under a timer, so that a client must send each request's headers
+//! within the header read timeout or lose the connection (slow-header clients cannot hold
+//! connections open); on shutdown it stops accepting, closes idle keep-alive connections
+//! and lets every connection finish the request it is serving.
+
+use std::future::Future;
+use std::time::Duration;
+
+use axum::Router;
+use axum::serve::Listener;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+
+/// Serves `app` on `listener` until `shutdown` completes, then until every connection has
+/// closed (idle ones at once, busy ones after their request).
+pub(crate) async fn serve<L: Listener>(
+    mut listener: L,
+    app: Router,
+    header_read_timeout: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(header_read_timeout);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let io = tokio::select! {
+            (io, _) = listener.accept() => io,
+            () = &mut shutdown => break,
+        };
+        let svc = TowerToHyperService::new(app.clone());
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(io), svc));
+        tokio::spawn(async move {
+            // A connection's end (a client that went away, a timeout) concerns it alone.
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+}
