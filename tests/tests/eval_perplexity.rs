@@ -94,6 +94,19 @@ fn perplexity_matches_llama_perplexity() {
     );
     let one = run(&["--chunks", "1"]);
     assert_eq!(one["chunks"], 1);
+    let out = kvx(&[
+        "eval",
+        "perplexity",
+        "--file",
+        path,
+        "--save-logits",
+        base,
+        "--kl-divergence",
+        base,
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("erase the base"));
+    assert!(run(&["--kl-divergence", base])["kld_max"].as_f64() == Some(0.0), "the base is intact");
     let out = kvx(&["eval", "perplexity", "--file", path, "--ctx", "64", "--kl-divergence", base]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("another text, window"));

@@ -428,8 +428,9 @@ fn slow_clients_lose_their_connections_after_the_read_timeouts() {
           Content-Length: 100\r\n\r\n{\"prompt\": \"hel",
     )
     .expect("write");
-    let (got, _) = read_until_closed(&mut half, Duration::from_secs(10));
+    let (got, closed) = read_until_closed(&mut half, Duration::from_secs(10));
     assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(closed, "the connection of a timed-out body stayed open");
     assert!(got.contains("request_timeout"), "{got}");
     // Meanwhile and after, normal requests are served.
     let r = s.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 4}));

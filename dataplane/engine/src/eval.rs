@@ -312,8 +312,10 @@ fn fnv1a(tokens: impl Iterator<Item = u32>) -> u64 {
 
 /// The perplexity of `text` as llama-perplexity computes it with `-c ctx -b batch`: the text
 /// tokenized as it tokenizes (the model's BOS when it adds one, special-token text left as
-/// text), then [`perplexity`]. `batch` must be [`PROMPT_BATCH`] or at least `ctx`: windows
-/// are computed in llama.cpp's batches of that size. Also returns the text's token count.
+/// text), then [`perplexity`]. `batch` must be [`PROMPT_BATCH`] or at least `ctx` (a window
+/// that a smaller batch would split differently is refused); the windows are then computed
+/// as [`perplexity`] says, and since no token's bits depend on its batch, the numbers are
+/// those of llama.cpp's batches of any such size. Also returns the text's token count.
 pub fn perplexity_of_text(
     backend: &mut dyn Backend,
     block_size: usize,

@@ -409,6 +409,8 @@ impl EngineSetup {
                 let sched = self.limits.sched(model.cfg.context_length);
                 let budget =
                     self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);
+                // The reference arithmetic caches f32, twice the bytes of the f16 cache.
+                let budget = if self.arith == Arith::Reference { budget / 2 } else { budget };
                 let blocks = self.blocks_for(&model.cfg, budget, sched.max_model_len);
                 let fp = self.kv_fingerprint(path, &model.cfg)?;
                 (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks, fp)
@@ -470,8 +472,13 @@ impl EngineSetup {
             Ok(buf)
         };
         let mut buf = read().map_err(|e| model_err("reading", path, e))?;
-        let shape =
-            [self.limits.block_size, cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.arith as usize];
+        let shape = [
+            self.limits.block_size,
+            cfg.n_layer,
+            cfg.n_head_kv,
+            cfg.head_dim,
+            self.effective_arith() as usize,
+        ];
         for v in shape {
             buf.extend_from_slice(&(v as u64).to_le_bytes());
         }
@@ -598,6 +605,12 @@ impl Prepared {
                 Box::new(ReferenceBackend::new(m, pool, n, bs, t, max_ctx)?)
             }
             None => Box::new(ModelBackend::new(m, k, pool, n, bs, t, max_ctx)?),
+            Some(_) if self.setup.arith == Arith::Reference => {
+                return Err(EngineError::Internal(
+                    "the reference arithmetic keeps its own f32 cache; it cannot use lent memory"
+                        .into(),
+                ));
+            }
             Some(mem) => {
                 Box::new(ModelBackend::with_kv_memory(m, k, pool, n, bs, t, max_ctx, mem)?)
             }

@@ -88,6 +88,15 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let prepared = prepare(&args.engine, rt, 1)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let mut backend = prepared.backend()?;
+    if let (Some(a), Some(b)) = (&args.save_logits, &args.kl_divergence) {
+        let same = a == b
+            || matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(x), Ok(y)) if x == y);
+        if same {
+            bail!(
+                "--save-logits and --kl-divergence name the same file: saving would erase the base"
+            );
+        }
+    }
     let mut save = match &args.save_logits {
         Some(p) => Some(BufWriter::new(
             File::create(p).with_context(|| format!("creating {}", p.display()))?,
