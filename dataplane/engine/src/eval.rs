@@ -8,7 +8,9 @@
 //! one lm-eval receives from `kvx serve` (`echo` + `logprobs`) are of the same tokens.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::Path;
 
 use kvx_kernels::model::{AttnMode, Logits, SeqChunk};
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
@@ -196,24 +198,27 @@ pub fn loglikelihoods(
         .collect()
 }
 
-/// A text's perplexity, scored as `llama-perplexity` scores it.
-#[derive(Debug, Clone, PartialEq)]
+/// A text's perplexity, scored as `llama-perplexity` scores it. Serialized as one JSON
+/// object: `ppl`, `nll`, `tokens`, `chunks` and, against a base, the [`KlStats`] fields.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Perplexity {
     /// exp(nll / scored).
     pub ppl: f64,
     /// Summed negative log-likelihood of the scored tokens.
     pub nll: f64,
     /// Tokens scored.
+    #[serde(rename = "tokens")]
     pub scored: usize,
     /// Windows of `ctx` tokens.
     pub chunks: usize,
     /// Against a saved base, how far each scored token's distribution moved.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub kl: Option<KlStats>,
 }
 
 /// The distance of one run's next-token distributions from a base run's over the same
 /// scored tokens (as `llama-perplexity --kl-divergence` reports it).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct KlStats {
     /// KL(base ‖ this), in nats: mean over the scored tokens.
     pub kld_mean: f64,
@@ -233,6 +238,79 @@ pub struct KlStats {
     pub dp_rms: f64,
     /// The base's perplexity over the same tokens.
     pub ppl_base: f64,
+}
+
+impl std::fmt::Display for KlStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "against the base (perplexity {:.4}): KL divergence mean {:.6} ± {:.6}, median \
+             {:.6}, p99 {:.6}, max {:.6}; top-1 agreement {:.2} %; Δp mean {:+.5}, rms {:.5}",
+            self.ppl_base,
+            self.kld_mean,
+            self.kld_se,
+            self.kld_median,
+            self.kld_p99,
+            self.kld_max,
+            100.0 * self.top1,
+            self.dp_mean,
+            self.dp_rms
+        )
+    }
+}
+
+/// The files of a perplexity run's rows: one to save them to, one holding a base to compare
+/// with (never the same file: creating the first would erase the second).
+#[derive(Debug, Default)]
+pub struct RowFiles {
+    save: Option<BufWriter<File>>,
+    base: Option<BufReader<File>>,
+}
+
+impl RowFiles {
+    /// Opens the base for reading, then creates the file to save to.
+    pub fn open(save: Option<&Path>, base: Option<&Path>) -> Result<Self, EvalError> {
+        let err = |what: &str, p: &Path, e: std::io::Error| {
+            EvalError::Logprobs(format!("{what} {}: {e}", p.display()))
+        };
+        if let (Some(a), Some(b)) = (save, base) {
+            let same =
+                a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
+            if same {
+                return Err(EvalError::Logprobs(format!(
+                    "{} is both the base and the file to save to: saving would erase the base",
+                    a.display()
+                )));
+            }
+        }
+        let base = match base {
+            Some(p) => Some(BufReader::new(File::open(p).map_err(|e| err("opening", p, e))?)),
+            None => None,
+        };
+        let save = match save {
+            Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| err("creating", p, e))?)),
+            None => None,
+        };
+        Ok(RowFiles { save, base })
+    }
+
+    /// The [`Rows`] over these files.
+    pub fn rows(&mut self) -> Rows<'_> {
+        Rows {
+            save: self.save.as_mut().map(|w| w as &mut dyn Write),
+            base: self.base.as_mut().map(|r| r as &mut dyn Read),
+        }
+    }
+
+    /// Flushes the saved rows.
+    pub fn finish(self) -> Result<(), EvalError> {
+        match self.save {
+            Some(mut w) => {
+                w.flush().map_err(|e| EvalError::Logprobs(format!("writing the rows: {e}")))
+            }
+            None => Ok(()),
+        }
+    }
 }
 
 /// Where a perplexity run's log-probability rows go and what they are measured against:
@@ -569,4 +647,52 @@ fn first_max(v: &[f32]) -> usize {
         }
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_files_refuse_one_file_as_both_base_and_save_and_keep_it() {
+        let dir = std::env::temp_dir().join(format!("kvx-rowfiles-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let base = dir.join("base.logp");
+        std::fs::write(&base, b"saved rows").expect("write");
+        let again = dir.join(".").join("base.logp");
+        for save in [&base, &again] {
+            let err = RowFiles::open(Some(save), Some(&base)).unwrap_err();
+            assert!(err.to_string().contains("erase the base"), "{err}");
+        }
+        assert_eq!(std::fs::read(&base).expect("read"), b"saved rows");
+        let other = dir.join("other.logp");
+        let mut f = RowFiles::open(Some(&other), Some(&base)).expect("open");
+        let rows = f.rows();
+        assert!(rows.save.is_some() && rows.base.is_some());
+        f.finish().expect("flush");
+        assert!(RowFiles::open(None, Some(&dir.join("missing"))).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_perplexity_serializes_to_the_fields_kvx_eval_prints() {
+        let p = Perplexity { ppl: 2.0, nll: 1.0, scored: 3, chunks: 1, kl: None };
+        let v = serde_json::to_value(&p).expect("json");
+        assert_eq!(v, serde_json::json!({"ppl": 2.0, "nll": 1.0, "tokens": 3, "chunks": 1}));
+        let kl = KlStats {
+            kld_mean: 0.1,
+            kld_se: 0.01,
+            kld_median: 0.05,
+            kld_p99: 0.5,
+            kld_max: 0.9,
+            top1: 0.95,
+            dp_mean: 0.0,
+            dp_rms: 0.02,
+            ppl_base: 1.9,
+        };
+        let v = serde_json::to_value(Perplexity { kl: Some(kl), ..p }).expect("json");
+        assert_eq!(v["kld_p99"], 0.5);
+        assert_eq!(v["ppl_base"], 1.9);
+        assert!(v.get("kl").is_none(), "{v}");
+    }
 }

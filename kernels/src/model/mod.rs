@@ -45,6 +45,14 @@ impl Arith {
         }
     }
 
+    /// Every arithmetic.
+    pub const ALL: [Arith; 3] = [Arith::Exact, Arith::Fast, Arith::Reference];
+
+    /// The arithmetic of `name` ([`Arith::name`]).
+    pub fn from_name(name: &str) -> Option<Arith> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+
     /// The row-lane products the weights are repacked for (`None`: the reference
     /// arithmetic reads the weights as the file holds them).
     pub fn lane_math(self) -> Option<LaneMath> {
@@ -77,4 +85,17 @@ pub enum ModelError {
     /// A kernel refused its operands.
     #[error(transparent)]
     Kernel(#[from] KernelError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Arith;
+
+    #[test]
+    fn arithmetic_names_round_trip() {
+        for a in Arith::ALL {
+            assert_eq!(Arith::from_name(a.name()), Some(a));
+        }
+        assert_eq!(Arith::from_name("fast-math"), None);
+    }
 }

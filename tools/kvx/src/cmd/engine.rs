@@ -10,22 +10,8 @@ use kvx_worker::{Arith, EngineKind, EngineLimits, EngineSetup, TierSetup};
 
 use super::Runtime;
 
-/// `--arith` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum ArithArg {
-    Exact,
-    Fast,
-    Reference,
-}
-
-impl From<ArithArg> for Arith {
-    fn from(a: ArithArg) -> Arith {
-        match a {
-            ArithArg::Exact => Arith::Exact,
-            ArithArg::Fast => Arith::Fast,
-            ArithArg::Reference => Arith::Reference,
-        }
-    }
+fn parse_arith(s: &str) -> Result<Arith, String> {
+    Arith::from_name(s).ok_or_else(|| format!("{s:?} is not one of exact, fast, reference"))
 }
 
 #[derive(Debug, Clone, Args)]
@@ -63,8 +49,8 @@ pub(crate) struct EngineOpts {
     /// on AVX-512; logits within rounding of `exact`'s) or `reference` (the model's own math
     /// on its quantized weights: f32 activations and cache, f64 sums; slow, the base that
     /// `kvx eval perplexity --kl-divergence` measures the others against).
-    #[arg(long, env = "KVX_ARITH", value_enum, default_value_t = ArithArg::Exact)]
-    pub(crate) arith: ArithArg,
+    #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "exact")]
+    pub(crate) arith: Arith,
     /// The same as `--arith fast`.
     #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new(), conflicts_with = "arith")]
     pub(crate) fast_math: bool,
@@ -96,7 +82,7 @@ impl EngineOpts {
         let model =
             if model_needed { Some(rt.store.resolve(self.model.as_deref())?) } else { None };
         let mut s = EngineSetup::new(kind, model, rt.kernels()?);
-        s.arith = if self.fast_math { Arith::Fast } else { self.arith.into() };
+        s.arith = if self.fast_math { Arith::Fast } else { self.arith };
         s.kv_cache_bytes = self.kv_cache_bytes;
         s.limits = EngineLimits {
             block_size: self.block_size,

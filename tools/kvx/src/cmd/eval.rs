@@ -1,14 +1,13 @@
 //! `kvx eval`: measure the model on the engine in this process (no server).
 
-use std::fs::File;
-use std::io::{BufReader, BufWriter, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kvx_worker::EngineKind;
 use kvx_worker::eval::PROMPT_BATCH;
-use kvx_worker::eval::{Rows, loglikelihoods, perplexity_of_text_upto, read_inputs};
+use kvx_worker::eval::{RowFiles, loglikelihoods, perplexity_of_text_upto, read_inputs};
 
 use super::Runtime;
 use super::engine::EngineOpts;
@@ -88,54 +87,17 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let prepared = prepare(&args.engine, rt, 1)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let mut backend = prepared.backend()?;
-    if let (Some(a), Some(b)) = (&args.save_logits, &args.kl_divergence) {
-        let same = a == b
-            || matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(x), Ok(y)) if x == y);
-        if same {
-            bail!(
-                "--save-logits and --kl-divergence name the same file: saving would erase the base"
-            );
-        }
-    }
-    let mut save = match &args.save_logits {
-        Some(p) => Some(BufWriter::new(
-            File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => None,
-    };
-    let mut base = match &args.kl_divergence {
-        Some(p) => {
-            Some(BufReader::new(File::open(p).with_context(|| format!("opening {}", p.display()))?))
-        }
-        None => None,
-    };
-    let rows = Rows {
-        save: save.as_mut().map(|w| w as &mut dyn Write),
-        base: base.as_mut().map(|r| r as &mut dyn std::io::Read),
-    };
+    let mut files = RowFiles::open(args.save_logits.as_deref(), args.kl_divergence.as_deref())?;
     let bs = prepared.sched().block_size;
     let shape = (args.ctx, args.batch, args.chunks.unwrap_or(usize::MAX));
-    let (p, n_text) = perplexity_of_text_upto(backend.as_mut(), bs, tok, &text, shape, rows)?;
-    if let Some(mut w) = save {
-        w.flush().context("writing the log-probabilities")?;
-    }
+    let (p, n_text) =
+        perplexity_of_text_upto(backend.as_mut(), bs, tok, &text, shape, files.rows())?;
+    files.finish()?;
     let arith = prepared.setup().effective_arith().name();
     if args.json {
-        let mut v = serde_json::json!({
-            "ppl": p.ppl, "nll": p.nll, "tokens": p.scored, "chunks": p.chunks,
-            "ctx": args.ctx, "arith": arith,
-        });
-        if let Some(k) = &p.kl {
-            v["kld_mean"] = k.kld_mean.into();
-            v["kld_se"] = k.kld_se.into();
-            v["kld_median"] = k.kld_median.into();
-            v["kld_p99"] = k.kld_p99.into();
-            v["kld_max"] = k.kld_max.into();
-            v["top1"] = k.top1.into();
-            v["dp_mean"] = k.dp_mean.into();
-            v["dp_rms"] = k.dp_rms.into();
-            v["ppl_base"] = k.ppl_base.into();
-        }
+        let mut v = serde_json::to_value(&p)?;
+        v["ctx"] = args.ctx.into();
+        v["arith"] = arith.into();
         println!("{v}");
     } else {
         println!(
@@ -144,19 +106,7 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
             p.ppl, p.scored, p.chunks, args.ctx
         );
         if let Some(k) = &p.kl {
-            println!(
-                "against the base (perplexity {:.4}): KL divergence mean {:.6} ± {:.6}, median {:.6}, \
-                 p99 {:.6}, max {:.6}; top-1 agreement {:.2} %; Δp mean {:+.5}, rms {:.5}",
-                k.ppl_base,
-                k.kld_mean,
-                k.kld_se,
-                k.kld_median,
-                k.kld_p99,
-                k.kld_max,
-                100.0 * k.top1,
-                k.dp_mean,
-                k.dp_rms
-            );
+            println!("{k}");
         }
     }
     Ok(())
