@@ -20,8 +20,8 @@ use crate::sse::{SseParser, Usage, parse_chunk, unescape_json_str};
 /// Largest non-streamed response body read.
 const MAX_BODY_BYTES: usize = 64 << 20;
 
-/// Why a request failed. Rendered as `connect`, `timeout`, `http_<status>`, `body`, `stream`,
-/// `incomplete` or `empty` in reports.
+/// Why a request failed. Rendered as `connect`, `timeout`, `http_<status>`, `shed_<status>`,
+/// `body`, `stream`, `incomplete` or `empty` in reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ErrorClass {
     /// The connection could not be made.
@@ -30,6 +30,9 @@ pub enum ErrorClass {
     Timeout,
     /// The server answered with a non-2xx status.
     Http(u16),
+    /// The server shed the request: 429 or 503 with `Retry-After` (overload control working
+    /// as designed, counted apart from failures that are not).
+    Shed(u16),
     /// Sending the request or reading the response body failed (connection reset, ...).
     Body,
     /// The stream was malformed or carried an error object.
@@ -46,6 +49,7 @@ impl fmt::Display for ErrorClass {
             Self::Connect => f.write_str("connect"),
             Self::Timeout => f.write_str("timeout"),
             Self::Http(s) => write!(f, "http_{s}"),
+            Self::Shed(s) => write!(f, "shed_{s}"),
             Self::Body => f.write_str("body"),
             Self::Stream => f.write_str("stream"),
             Self::Incomplete => f.write_str("incomplete"),
@@ -70,9 +74,13 @@ impl<'de> Deserialize<'de> for ErrorClass {
             "stream" => Self::Stream,
             "incomplete" => Self::Incomplete,
             "empty" => Self::Empty,
-            other => match other.strip_prefix("http_").and_then(|c| c.parse().ok()) {
-                Some(code) => Self::Http(code),
-                None => {
+            other => match (
+                other.strip_prefix("http_").and_then(|c| c.parse().ok()),
+                other.strip_prefix("shed_").and_then(|c| c.parse().ok()),
+            ) {
+                (Some(code), _) => Self::Http(code),
+                (_, Some(code)) => Self::Shed(code),
+                (None, None) => {
                     return Err(serde::de::Error::custom(format!("unknown error class {other}")));
                 }
             },
@@ -280,7 +288,10 @@ impl Client {
         };
         let status = resp.status();
         if !status.is_success() {
-            return Err(ErrorClass::Http(status.as_u16()));
+            let code = status.as_u16();
+            let shed =
+                matches!(code, 429 | 503) && resp.headers().contains_key(http::header::RETRY_AFTER);
+            return Err(if shed { ErrorClass::Shed(code) } else { ErrorClass::Http(code) });
         }
         let mut body = resp.into_body();
         if !self.stream {
@@ -493,12 +504,13 @@ mod tests {
     #[test]
     fn error_classes_round_trip_through_json() {
         for c in
-            [ErrorClass::Connect, ErrorClass::Http(503), ErrorClass::Empty, ErrorClass::Timeout]
+            [ErrorClass::Connect, ErrorClass::Http(503), ErrorClass::Shed(429), ErrorClass::Empty]
         {
             let s = serde_json::to_string(&c).unwrap();
             assert_eq!(serde_json::from_str::<ErrorClass>(&s).unwrap(), c);
         }
         assert_eq!(ErrorClass::Http(429).to_string(), "http_429");
+        assert_eq!(ErrorClass::Shed(503).to_string(), "shed_503");
         assert!(serde_json::from_str::<ErrorClass>("\"nope\"").is_err());
     }
 

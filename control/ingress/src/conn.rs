@@ -14,6 +14,18 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 
+/// The kernel send buffer of each connection (the kernel doubles it for its own accounting).
+/// Fixed rather than autotuned (up to 4 MiB on Linux), so that what a client that stops
+/// reading can leave in the kernel stays small: the rest waits in ingress, where it is
+/// counted against `--stream-buffer-bytes`.
+pub(crate) const SEND_BUFFER_BYTES: usize = 64 << 10;
+
+/// Sets up an accepted connection: no Nagle delay, the fixed send buffer.
+pub(crate) fn tune(tcp: &tokio::net::TcpStream) {
+    let _ = tcp.set_nodelay(true);
+    let _ = socket2::SockRef::from(tcp).set_send_buffer_size(SEND_BUFFER_BYTES);
+}
+
 /// Serves `app` on `listener` until `shutdown` completes, then until every connection has
 /// closed (idle ones at once, busy ones after their request).
 pub(crate) async fn serve<L: Listener>(

@@ -99,6 +99,28 @@ impl ApiError {
         }
     }
 
+    /// 408: a stream's client left more than the bound unread; the request was cancelled.
+    pub fn client_too_slow(message: impl Into<String>) -> Self {
+        ApiError {
+            code: Some("client_too_slow"),
+            ..Self::new(StatusCode::REQUEST_TIMEOUT, message)
+        }
+    }
+
+    /// 408: the request's deadline (`timeout`) passed before it was served.
+    pub fn deadline(message: impl Into<String>) -> Self {
+        ApiError { code: Some("timeout"), ..Self::new(StatusCode::REQUEST_TIMEOUT, message) }
+    }
+
+    /// 429 from the admission queue, with `Retry-After: retry_after` (seconds, at least 1).
+    pub fn queue_refused(message: impl Into<String>, retry_after: u32) -> Self {
+        ApiError {
+            retry_after: Some(retry_after.max(1)),
+            code: Some("overloaded"),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, message)
+        }
+    }
+
     /// 429 with `Retry-After`.
     pub fn overloaded(message: impl Into<String>) -> Self {
         ApiError {
@@ -148,7 +170,7 @@ impl ApiError {
             403 => "permission_error",
             429 => "rate_limit_error",
             503 => "service_unavailable",
-            504 => "timeout",
+            408 | 504 => "timeout",
             _ => "internal_error",
         }
     }

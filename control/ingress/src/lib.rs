@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission;
 mod conn;
 pub mod dispatch;
 pub mod error;
@@ -16,6 +17,7 @@ pub mod fanout;
 pub mod keys;
 pub mod metrics;
 pub mod openai;
+pub mod relay;
 pub mod render;
 pub mod server;
 pub mod status;
@@ -23,6 +25,7 @@ mod tier_metrics;
 pub mod tls;
 pub mod tools;
 
+pub use admission::{AdmissionConfig, Refused};
 pub use dispatch::{DispatchError, Dispatcher, ModelInfo, WorkerState};
 pub use error::{ApiError, IngressError};
 pub use keys::{Access, ApiKeys, Grant, Limits};

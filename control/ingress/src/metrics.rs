@@ -4,7 +4,10 @@
 //! workers at scrape time; each worker's role (`kvx_worker_role`) and the load of each role
 //! of disaggregated serving (`kvx_role_*`); the KV tiers of each worker (`kvx_worker_kv_*`,
 //! [`crate::tier_metrics`]); requests refused by their API key's limits, by limit
-//! (`kvx_rate_limited_total{reason}`, never naming a key).
+//! (`kvx_rate_limited_total{reason}`, never naming a key); the admission queue: its depth, the
+//! wait a newcomer would face and the requests it refused, by reason
+//! (`kvx_admission_refused_total{reason}`: `queue_full`, `wait`, `deadline`); streams cut for
+//! their deadline or for leaving too much unread (`kvx_streams_cut_total{reason}`).
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -34,6 +37,12 @@ pub struct Metrics {
     requests: Family<Labels2, Counter>,
     finished: Family<Labels1, Counter>,
     rate_limited: Family<Labels1, Counter>,
+    admission_refused: Family<Labels1, Counter>,
+    streams_cut: Family<Labels1, Counter>,
+    /// Engine requests waiting in the admission queue.
+    pub admission_queued: Gauge,
+    /// The wait a request arriving now would face, seconds.
+    pub admission_wait: GaugeF,
     /// Time to first token.
     pub ttft: Histogram,
     /// Gap between consecutive tokens of a stream.
@@ -109,6 +118,36 @@ impl Metrics {
         for reason in ["concurrency", "rpm", "tpm"] {
             let _ = rate_limited.get_or_create(&[("reason", reason)]);
         }
+        let admission_refused = Family::<Labels1, Counter>::default();
+        r.register(
+            "admission_refused",
+            "Requests refused by the admission queue, by reason (queue_full, wait, deadline)",
+            admission_refused.clone(),
+        );
+        for reason in ["queue_full", "wait", "deadline"] {
+            let _ = admission_refused.get_or_create(&[("reason", reason)]);
+        }
+        let streams_cut = Family::<Labels1, Counter>::default();
+        r.register(
+            "streams_cut",
+            "Streams cancelled by the server, by reason (unread, deadline)",
+            streams_cut.clone(),
+        );
+        for reason in ["unread", "deadline"] {
+            let _ = streams_cut.get_or_create(&[("reason", reason)]);
+        }
+        let admission_queued = Gauge::default();
+        r.register(
+            "admission_queue_depth",
+            "Engine requests waiting in the admission queue",
+            admission_queued.clone(),
+        );
+        let admission_wait = GaugeF::default();
+        r.register(
+            "admission_estimated_wait_seconds",
+            "The wait a request arriving now would face before it starts",
+            admission_wait.clone(),
+        );
         // Eight buckets an octave (9% wide) for the latencies users set targets on, so that
         // `histogram_quantile` lands within 9% of the true quantile wherever it falls.
         let ttft = Histogram::new(fine_buckets(0.001, 16, 8));
@@ -210,6 +249,10 @@ impl Metrics {
             requests,
             finished,
             rate_limited,
+            admission_refused,
+            streams_cut,
+            admission_queued,
+            admission_wait,
             ttft,
             itl,
             e2e,
@@ -237,6 +280,16 @@ impl Metrics {
     /// Counts a request refused by its key's limit (`concurrency`, `rpm` or `tpm`).
     pub fn rate_limited(&self, reason: &'static str) {
         self.rate_limited.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// Counts a request the admission queue refused (`queue_full`, `wait` or `deadline`).
+    pub fn admission_refused(&self, reason: &'static str) {
+        self.admission_refused.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// Counts a stream the server cut (`unread` or `deadline`).
+    pub fn stream_cut(&self, reason: &'static str) {
+        self.streams_cut.get_or_create(&[("reason", reason)]).inc();
     }
 
     /// Renders the text exposition, reading worker state and router counters first.
@@ -373,6 +426,7 @@ fn status_label(s: u16) -> &'static str {
         403 => "403",
         404 => "404",
         405 => "405",
+        408 => "408",
         413 => "413",
         429 => "429",
         500 => "500",

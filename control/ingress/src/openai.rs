@@ -90,6 +90,8 @@ pub struct Common {
     pub min_tokens: Option<u32>,
     /// The grammar of the output (`response_format`, `guided_*`).
     pub constraint: Option<Constraint>,
+    /// `timeout` (extension): seconds the whole request may take, queue included.
+    pub timeout: Option<f64>,
 }
 
 /// A `/tokenize` body (vLLM's shape): a `prompt`, or `messages` rendered by the chat template
@@ -173,6 +175,8 @@ pub struct ChatRequest {
     #[serde(default)]
     #[allow(dead_code)]
     user: Option<String>,
+    #[serde(default)]
+    timeout: Option<f64>,
     /// Tool definitions, handed to the chat template.
     #[serde(default)]
     pub tools: Option<serde_json::Value>,
@@ -252,6 +256,8 @@ pub struct CompletionRequest {
     #[serde(default)]
     #[allow(dead_code)]
     user: Option<String>,
+    #[serde(default)]
+    timeout: Option<f64>,
     /// `response_format` (`text`, `json_object`, `json_schema`).
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
@@ -297,6 +303,7 @@ macro_rules! common_fields {
                 $r.guided_regex.as_deref(),
                 $r.guided_grammar.as_deref(),
             )?,
+            timeout: $r.timeout,
         }
     };
 }
@@ -498,6 +505,40 @@ pub fn check_constraint_len(len: usize, field: &'static str) -> Result<(), ApiEr
         ));
     }
     Ok(())
+}
+
+/// Longest `timeout` accepted, seconds (a day).
+pub const MAX_TIMEOUT_SECS: f64 = 86_400.0;
+
+/// A request's deadline from now: the shorter of its `timeout` field and its
+/// `X-Request-Timeout` header (seconds, each in (0, a day]); `None` without either.
+pub fn timeout_of(
+    field: Option<f64>,
+    header: Option<&[u8]>,
+) -> Result<Option<std::time::Duration>, ApiError> {
+    let check = |v: f64, name: &'static str| {
+        if v.is_finite() && v > 0.0 && v <= MAX_TIMEOUT_SECS {
+            Ok(v)
+        } else {
+            Err(ApiError::bad_request(
+                format!("{name} must be a number of seconds in (0, {MAX_TIMEOUT_SECS}]"),
+                Some(name),
+            ))
+        }
+    };
+    let from_header = match header {
+        None => None,
+        Some(h) => {
+            let v = std::str::from_utf8(h).ok().and_then(|t| t.trim().parse::<f64>().ok());
+            Some(check(v.unwrap_or(f64::NAN), "x-request-timeout")?)
+        }
+    };
+    let from_field = field.map(|v| check(v, "timeout")).transpose()?;
+    let secs = match (from_field, from_header) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    Ok(secs.map(std::time::Duration::from_secs_f64))
 }
 
 /// Parses a JSON body into `T`, mapping syntax and type errors to a 400.
@@ -763,6 +804,21 @@ mod tests {
     #[test]
     fn context_overflow_states_both_numbers() {
         let p = Common { max_tokens: Some(100), ..Default::default() }.params().unwrap();
+        let s = std::time::Duration::from_secs_f64;
+        assert_eq!(timeout_of(None, None).unwrap(), None);
+        assert_eq!(timeout_of(Some(2.5), None).unwrap(), Some(s(2.5)));
+        assert_eq!(timeout_of(Some(2.5), Some(b" 1.5")).unwrap(), Some(s(1.5)));
+        assert_eq!(timeout_of(None, Some(b"3")).unwrap(), Some(s(3.0)));
+        for (f, h) in [
+            (Some(0.0), None),
+            (Some(-1.0), None),
+            (Some(f64::INFINITY), None),
+            (Some(1e9), None),
+            (None, Some(&b"soon"[..])),
+            (None, Some(&b"0"[..])),
+        ] {
+            assert_eq!(timeout_of(f, h).unwrap_err().status.as_u16(), 400, "{f:?} {h:?}");
+        }
         let e = p.request(RequestId(1), vec![1; 50], 120).unwrap_err();
         assert_eq!(e.status.as_u16(), 400);
         assert!(e.message.contains("120") && e.message.contains("50") && e.message.contains("100"));

@@ -1,8 +1,9 @@
 //! The HTTP server: routes, authentication (API keys for inference, admin keys for
 //! `/metrics` and `/status.json`), the status page at `/`, body limits, admission (the
-//! server's bound, then the key's limits), the request path from a JSON body to engine
+//! server's bound, the key's limits, then the admission queue's), the request path from a JSON body to engine
 //! requests and back (whole responses or SSE streams), cancellation when a client goes away,
-//! graceful shutdown, read timeouts for slow clients, and the handle that reloads keys and
+//! deadlines, bounds on what a stream leaves unread, graceful shutdown, read timeouts for slow
+//! clients, and the handle that reloads keys and
 //! certificate.
 
 use std::collections::HashSet;
@@ -31,6 +32,7 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::admission::{Admission, AdmissionConfig, Refused, Ticket};
 use crate::conn;
 use crate::dispatch::{Dispatcher, ModelInfo};
 use crate::error::{ApiError, IngressError};
@@ -39,7 +41,9 @@ use crate::keys::{Access, ApiKeys, Grant, KeyPermit};
 use crate::metrics::Metrics;
 use crate::openai::{
     ChatRequest, CompletionRequest, DetokenizeRequest, Params, PromptSpec, TokenizeRequest, parse,
+    timeout_of,
 };
+use crate::relay::{self, Cut, StreamState};
 use crate::render::{Api, Choice, ChunkWriter, LogprobAcc, response};
 use crate::status::{self, Live};
 use crate::tls::{Tls, TlsListener};
@@ -65,6 +69,11 @@ pub struct IngressConfig {
     pub header_read_timeout: Duration,
     /// A request's body must arrive within this after its headers (408 otherwise).
     pub body_read_timeout: Duration,
+    /// The admission queue's bounds.
+    pub admission: AdmissionConfig,
+    /// Bytes of a stream's output that may wait for a client that does not read; past them
+    /// the request is cancelled.
+    pub stream_buffer_bytes: usize,
 }
 
 impl Default for IngressConfig {
@@ -78,6 +87,8 @@ impl Default for IngressConfig {
             max_inflight: 4096,
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(30),
+            admission: AdmissionConfig::default(),
+            stream_buffer_bytes: 256 << 10,
         }
     }
 }
@@ -97,6 +108,7 @@ struct Shared {
     inflight: AtomicUsize,
     active: Mutex<HashSet<RequestId>>,
     draining: AtomicBool,
+    admission: Arc<Admission>,
     idle: Notify,
     models_json: Bytes,
 }
@@ -147,7 +159,9 @@ impl Server {
             .map_err(|source| IngressError::Bind { addr: cfg.addr, source })?;
         // Ids start at a random point so that restarts do not reuse them.
         let base = RandomState::new().hash_one(std::process::id()) >> 1;
+        let admission = Admission::new(cfg.admission);
         let mut shared = Shared {
+            admission,
             cfg,
             model,
             dispatcher,
@@ -198,9 +212,7 @@ impl Server {
         let header_timeout = shared.cfg.header_read_timeout;
         let mut serve = match shared.cfg.tls.clone() {
             None => {
-                let listener = self.listener.tap_io(|tcp| {
-                    let _ = tcp.set_nodelay(true);
-                });
+                let listener = self.listener.tap_io(|tcp| conn::tune(tcp));
                 tokio::spawn(conn::serve(listener, app, header_timeout, graceful))
             }
             Some(tls) => {
@@ -342,6 +354,8 @@ async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(e) = authorize_admin(&s, &headers) {
         return e.into_response();
     }
+    s.metrics.admission_queued.set(s.admission.queued() as i64);
+    s.metrics.admission_wait.set(s.admission.estimated_wait(Instant::now(), 1).as_secs_f64());
     let text = s.metrics.render(&s.dispatcher.workers(), &s.dispatcher.router_metrics());
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(
@@ -609,6 +623,8 @@ struct Prepared {
     score_only: bool,
     /// A chat request's tools (calls are parsed out of the answers).
     tools: Option<Arc<ToolMode>>,
+    /// The `timeout` field.
+    timeout: Option<f64>,
 }
 
 fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared, ApiError> {
@@ -671,6 +687,7 @@ fn prepare(s: &Shared, api: Api, body: &[u8], grant: &Grant) -> Result<Prepared,
         echo_only,
         score_only,
         tools: tool_mode,
+        timeout: common.timeout,
     })
 }
 
@@ -714,6 +731,8 @@ struct Guard {
     shared: Arc<Shared>,
     ids: Vec<RequestId>,
     key: Option<KeyPermit>,
+    /// Its place past the admission queue.
+    ticket: Option<Ticket>,
     done: bool,
     /// What it counts in `Shared::inflight`.
     weight: usize,
@@ -728,7 +747,14 @@ impl Guard {
         }
         let weight = weight.max(1);
         let n = shared.inflight.fetch_add(weight, Ordering::SeqCst);
-        let g = Guard { shared: shared.clone(), ids: Vec::new(), key: None, done: false, weight };
+        let g = Guard {
+            shared: shared.clone(),
+            ids: Vec::new(),
+            key: None,
+            ticket: None,
+            done: false,
+            weight,
+        };
         shared.metrics.inflight.inc();
         let max = shared.cfg.max_inflight;
         if n >= max || (n > 0 && n.saturating_add(weight) > max) {
@@ -763,6 +789,50 @@ impl Guard {
                 self.shared.metrics.rate_limited(r.limit.as_str());
                 Err(ApiError::rate_limited(r.message(), r.retry_after_secs()))
             }
+        }
+    }
+
+    /// Waits in the admission queue (until `deadline` at most); refusals are counted and
+    /// answered 429 with `Retry-After` (408 at the deadline).
+    async fn admit_queue(&mut self, deadline: Option<Instant>) -> Result<(), ApiError> {
+        let s = &self.shared;
+        match s.admission.enter(self.weight, deadline).await {
+            Ok(t) => {
+                self.ticket = Some(t);
+                Ok(())
+            }
+            Err(r) => {
+                s.metrics.admission_refused(r.reason());
+                let secs = |d: Duration| d.as_secs_f64().ceil().clamp(1.0, 3600.0) as u32;
+                Err(match r {
+                    Refused::QueueFull { retry_after } => ApiError::queue_refused(
+                        format!(
+                            "overloaded: the admission queue is full ({} requests waiting)",
+                            s.admission.config().max_queue
+                        ),
+                        secs(retry_after),
+                    ),
+                    Refused::TooLong { wait } => ApiError::queue_refused(
+                        format!(
+                            "overloaded: a new request would wait about {:.1} s to start (the \
+                             bound is {:.1} s, or the request's timeout is shorter)",
+                            wait.as_secs_f64(),
+                            s.admission.config().max_wait.as_secs_f64()
+                        ),
+                        secs(wait),
+                    ),
+                    Refused::Deadline => {
+                        ApiError::deadline("the request's timeout passed while it waited to start")
+                    }
+                })
+            }
+        }
+    }
+
+    /// One of its engine requests produced its first output.
+    fn started(&mut self) {
+        if let Some(t) = &mut self.ticket {
+            t.started();
         }
     }
 
@@ -868,6 +938,8 @@ async fn start(
         prepare(s, api, &body, &access.grant)?
     };
     let n = prep.n;
+    let timeout = timeout_of(prep.timeout, headers.get("x-request-timeout").map(|v| v.as_bytes()))?;
+    let deadline = timeout.map(|t| arrival + t);
     // Every engine request counts against the server's bound and the key's concurrency.
     let weight = n.saturating_mul(prep.prompts.len().max(1));
     let mut guard = Guard::admit(s, weight)?;
@@ -881,6 +953,7 @@ async fn start(
         return Err(ApiError::unavailable("no worker is ready"));
     }
     guard.admit_key(&access, prompt_tokens as u64, weight)?;
+    guard.admit_queue(deadline).await?;
     let Prepared { params, prompts, stream, include_usage, echo, tools, score_only, .. } = prep;
     // A scored prompt's answer lists its tokens.
     let scored: Option<Vec<Arc<[TokenId]>>> =
@@ -928,10 +1001,11 @@ async fn start(
                 continue;
             }
             let Some(r) = slot.take() else { continue };
+            let id = r.id;
             match guard.submit(r) {
                 Ok(rx) => {
                     let echo = echo.as_ref().and_then(|e| e.get(prompt)).cloned();
-                    let mut sub = Sub::new(rx, k, j, echo);
+                    let mut sub = Sub::new(id, rx, k, j, echo);
                     sub.scored = scored.as_ref().and_then(|v| v.get(prompt)).cloned();
                     sub.score_only = score_only;
                     slots[k] = Some(sub);
@@ -945,10 +1019,17 @@ async fn start(
         }
         for k in started {
             let Some(sub) = slots.get_mut(k).and_then(Option::as_mut) else { continue };
-            if let Err(e) = sub.first().await {
+            let first = match deadline {
+                None => sub.first().await,
+                Some(d) => tokio::time::timeout_at(d.into(), sub.first())
+                    .await
+                    .unwrap_or_else(|_| Err(ApiError::deadline(TIMED_OUT))),
+            };
+            if let Err(e) = first {
                 guard.abort();
                 return Err(e);
             }
+            guard.started();
         }
     }
     let Some(mut subs) = slots.into_iter().collect::<Option<Vec<Sub>>>() else {
@@ -962,7 +1043,21 @@ async fn start(
         Ctx { shared: s.clone(), api, arrival, logprobs: want_logprobs, tools, id: id.clone() };
     if stream {
         let writer = ChunkWriter::new(api, &id, created, &s.model.name);
+        let metrics = s.clone();
+        let state = StreamState::new(
+            s.cfg.stream_buffer_bytes,
+            subs.len(),
+            guard.ticket.take(),
+            Box::new(move |c| metrics.metrics.stream_cut(cut_label(c))),
+        );
+        for sub in &mut subs {
+            // A closed placeholder while the engine's receiver moves into the relay.
+            #[allow(clippy::disallowed_methods)]
+            let rx = std::mem::replace(&mut sub.rx, tokio::sync::mpsc::unbounded_channel().1);
+            sub.rx = relay::spawn(sub.id, rx, state.clone(), deadline, s.dispatcher.clone());
+        }
         let body = SseBody {
+            stream: state,
             ctx,
             guard,
             writer,
@@ -981,7 +1076,16 @@ async fn start(
         loop {
             let msg = match sub.pending.take() {
                 Some(m) => Some(m),
-                None => sub.rx.recv().await,
+                None => match deadline {
+                    None => sub.rx.recv().await,
+                    Some(d) => match tokio::time::timeout_at(d.into(), sub.rx.recv()).await {
+                        Ok(m) => m,
+                        Err(_) => {
+                            guard.abort();
+                            return Err(ApiError::deadline(TIMED_OUT));
+                        }
+                    },
+                },
             };
             match msg {
                 Some(Output::PromptLogprobs { start, logprobs }) => {
@@ -1078,8 +1182,20 @@ fn echo_only(
     )
 }
 
+/// What a request that ran past its deadline is told.
+const TIMED_OUT: &str = "the request's timeout passed before it ended; it was cancelled";
+
+fn cut_label(c: Cut) -> &'static str {
+    match c {
+        Cut::Unread => "unread",
+        Cut::Deadline => "deadline",
+    }
+}
+
 /// One choice's output stream.
 struct Sub {
+    /// Its engine request.
+    id: RequestId,
     rx: UnboundedReceiver<Output>,
     pending: Option<Output>,
     last: Option<Instant>,
@@ -1106,12 +1222,14 @@ struct Sub {
 
 impl Sub {
     fn new(
+        id: RequestId,
         rx: UnboundedReceiver<Output>,
         index: usize,
         choice: usize,
         echo: Option<Arc<str>>,
     ) -> Self {
         Sub {
+            id,
             rx,
             pending: None,
             last: None,
@@ -1259,6 +1377,8 @@ impl Ctx {
 
 /// A streamed response: SSE events written as the engine's outputs arrive.
 struct SseBody {
+    /// Its relays' state (bytes waiting, and why it was cut).
+    stream: Arc<StreamState>,
     ctx: Ctx,
     guard: Guard,
     writer: ChunkWriter,
@@ -1381,12 +1501,23 @@ impl http_body::Body for SseBody {
             while !this.subs[i].done && written < MAX_MESSAGES_PER_FRAME {
                 match this.subs[i].rx.poll_recv(cx) {
                     Poll::Ready(Some(o)) => {
+                        this.stream.taken(&o);
                         let before = buf.len();
                         this.write(&mut buf, i, o);
                         written += usize::from(buf.len() > before);
                     }
                     Poll::Ready(None) => {
-                        let e = ApiError::internal("the worker stopped before the request ended");
+                        let e = match this.stream.cut() {
+                            Some(Cut::Deadline) => ApiError::deadline(TIMED_OUT),
+                            Some(Cut::Unread) => ApiError::client_too_slow(format!(
+                                "the client left more than {} bytes of the stream unread; the \
+                                 request was cancelled",
+                                this.ctx.shared.cfg.stream_buffer_bytes
+                            )),
+                            None => {
+                                ApiError::internal("the worker stopped before the request ended")
+                            }
+                        };
                         this.writer.error(&mut buf, &e.json());
                         this.fail();
                     }

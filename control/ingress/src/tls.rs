@@ -98,7 +98,7 @@ impl TlsListener {
     }
 
     fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr) {
-        let _ = tcp.set_nodelay(true);
+        crate::conn::tune(&tcp);
         let acceptor = self.tls.acceptor();
         let timeout = self.tls.handshake_timeout;
         self.handshakes.spawn(async move {

@@ -86,6 +86,11 @@ impl ModelBackend {
         Ok(Self::over(model, kernels, pool, kv, max_tokens, max_ctx))
     }
 
+    /// Makes the whole KV cache resident now (see [`KvCache::prefault`]).
+    pub fn prefault_kv(&mut self) -> usize {
+        self.kv.prefault()
+    }
+
     /// As [`ModelBackend::new`], with the KV cache in memory its owner lends (a transfer
     /// agent's region, which peers write prompts' KV into), laid out as
     /// [`KvCache::layout`] says.

@@ -164,6 +164,9 @@ pub struct EngineSetup {
     pub kv_link: KvLinkConfig,
     /// KV tiers below each engine's pool (model engines only).
     pub tiers: Option<TierSetup>,
+    /// Make each model engine's KV cache resident at start (servers: memory flat from the
+    /// start, no page faults in steps) instead of as blocks are first used (tools, tests).
+    pub prefault_kv: bool,
 }
 
 /// Why engines could not be set up.
@@ -284,6 +287,7 @@ impl EngineSetup {
             roles: Vec::new(),
             kv_link: KvLinkConfig::default(),
             tiers: None,
+            prefault_kv: false,
         }
     }
 
@@ -604,7 +608,13 @@ impl Prepared {
             None if self.setup.arith == Arith::Reference => {
                 Box::new(ReferenceBackend::new(m, pool, n, bs, t, max_ctx)?)
             }
-            None => Box::new(ModelBackend::new(m, k, pool, n, bs, t, max_ctx)?),
+            None => {
+                let mut b = ModelBackend::new(m, k, pool, n, bs, t, max_ctx)?;
+                if self.setup.prefault_kv {
+                    b.prefault_kv();
+                }
+                Box::new(b)
+            }
             Some(_) if self.setup.arith == Arith::Reference => {
                 return Err(EngineError::Internal(
                     "the reference arithmetic keeps its own f32 cache; it cannot use lent memory"
@@ -612,7 +622,11 @@ impl Prepared {
                 ));
             }
             Some(mem) => {
-                Box::new(ModelBackend::with_kv_memory(m, k, pool, n, bs, t, max_ctx, mem)?)
+                let mut b = ModelBackend::with_kv_memory(m, k, pool, n, bs, t, max_ctx, mem)?;
+                if self.setup.prefault_kv {
+                    b.prefault_kv();
+                }
+                Box::new(b)
             }
         })
     }

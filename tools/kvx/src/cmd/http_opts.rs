@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvx_ingress::{ApiKeys, IngressConfig, ServerHandle, Tls};
+use kvx_ingress::{AdmissionConfig, ApiKeys, IngressConfig, ServerHandle, Tls};
 
 use kvx_worker::store::{CATALOGUE, DEFAULT};
 
@@ -73,6 +73,23 @@ pub(crate) struct HttpOpts {
     /// Seconds a request's body has to arrive after its headers (408 otherwise).
     #[arg(long, env = "KVX_BODY_READ_TIMEOUT", default_value_t = 30.0)]
     pub(crate) body_read_timeout: f64,
+    /// Engine requests running at once at most; more wait in the admission queue in arrival
+    /// order (0 = the engines' sequence slots with `serve`, no bound with `frontend`).
+    #[arg(long, env = "KVX_MAX_RUNNING", default_value_t = 0)]
+    pub(crate) max_running: usize,
+    /// Engine requests waiting to start at most (429 with Retry-After above).
+    #[arg(long, env = "KVX_MAX_QUEUE", default_value_t = 1024)]
+    pub(crate) max_queue: usize,
+    /// Longest wait to start, in seconds, a new request is admitted with (estimated from the
+    /// requests ahead of it and the rate requests start at); longer ones get 429 with
+    /// Retry-After at once, so admitted requests keep their latency under overload.
+    #[arg(long, env = "KVX_MAX_QUEUE_WAIT", default_value_t = 2.0)]
+    pub(crate) max_queue_wait: f64,
+    /// Bytes of a stream's output that may wait in the server for a client that stopped
+    /// reading (beyond the connection's 128 KiB kernel send buffer); past them the request is
+    /// cancelled (its KV blocks freed).
+    #[arg(long, env = "KVX_STREAM_BUFFER_BYTES", default_value_t = 256 << 10)]
+    pub(crate) stream_buffer_bytes: usize,
     /// HTTP threads (default: one per core).
     #[arg(long, env = "KVX_HTTP_THREADS")]
     pub(crate) http_threads: Option<usize>,
@@ -87,6 +104,7 @@ impl HttpOpts {
         for (flag, v) in [
             ("--header-read-timeout", self.header_read_timeout),
             ("--body-read-timeout", self.body_read_timeout),
+            ("--max-queue-wait", self.max_queue_wait),
         ] {
             if !(v.is_finite() && v > 0.0 && v < 1e9) {
                 bail!("{flag} must be a positive number of seconds");
@@ -106,6 +124,12 @@ impl HttpOpts {
             max_inflight: self.max_inflight.max(1),
             header_read_timeout: Duration::from_secs_f64(self.header_read_timeout),
             body_read_timeout: Duration::from_secs_f64(self.body_read_timeout),
+            admission: AdmissionConfig {
+                max_running: self.max_running,
+                max_queue: self.max_queue.max(1),
+                max_wait: Duration::from_secs_f64(self.max_queue_wait),
+            },
+            stream_buffer_bytes: self.stream_buffer_bytes.max(4096),
         })
     }
 

@@ -77,7 +77,7 @@ pub(crate) struct ServeArgs {
 }
 
 pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
-    let cfg = args.http.ingress()?;
+    let mut cfg = args.http.ingress()?;
     let t0 = Instant::now();
     let name = args.http.model_name(args.opts.model.as_deref());
     let n_cores = allowed_cores().len().max(1);
@@ -95,10 +95,17 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     }
     setup.threads_per_engine = args.threads_per_shard.or(args.opts.threads).unwrap_or(1).max(1);
     setup.pin = true;
+    setup.prefault_kv = true;
     setup.mocker.speedup = args.speedup_ratio;
     setup.mocker.blocks = args.mocker_blocks;
     setup.mocker.vocab = (args.mocker_vocab > 0).then_some(args.mocker_vocab);
     let n = setup.engines;
+    if cfg.admission.max_running == 0 {
+        // Past the engines' sequence slots, requests wait in front of the router.
+        let decoders = setup.roles.iter().filter(|r| **r == WorkerRole::Decode).count();
+        cfg.admission.max_running =
+            decoders.max(n * usize::from(decoders == 0)) * setup.limits.max_num_seqs.max(1);
+    }
     let prepared = setup.prepare()?;
     let tokenizer = prepared.tokenizer().cloned().context("the model has no tokenizer")?;
     let context = prepared.context_limit();

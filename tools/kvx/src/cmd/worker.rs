@@ -152,6 +152,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
     setup.threads_per_engine = args.threads_per_shard.max(1);
     setup.first_worker_id = args.worker_id.unwrap_or_else(random_base);
     setup.pin = true;
+    setup.prefault_kv = true;
     let role = match args.role {
         RoleArg::Agg => WorkerRole::Agg,
         RoleArg::Prefill => WorkerRole::Prefill,

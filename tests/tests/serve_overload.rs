@@ -1,0 +1,138 @@
+//! Overload control and deadlines through `kvx serve` (mocker engine, real sockets): requests
+//! past the running bound wait in order, a full queue answers 429 with `Retry-After`, a
+//! request's `timeout` ends it in the queue (408) or mid-stream (a `timeout` event) and frees
+//! its blocks, and a stream whose client stops reading is cut at the byte bound with its KV
+//! blocks freed.
+
+use std::time::{Duration, Instant};
+
+use kvx_e2e::serve::{Endpoint, Served, http, open_stream};
+use serde_json::{Value, json};
+
+/// One shard whose mocker runs at the model's own pace (a long request holds its slot).
+const SLOW: &[&str] = &["--engine", "mocker", "--speedup-ratio", "1", "--shards", "1"];
+
+fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn long(stream: bool) -> Value {
+    json!({"prompt": "hello there", "max_tokens": 7000, "ignore_eos": true, "stream": stream})
+}
+
+#[test]
+fn past_the_running_bound_requests_queue_and_a_full_queue_is_refused_with_retry_after() {
+    let mut args = SLOW.to_vec();
+    args.extend(["--max-running", "1", "--max-queue", "1", "--max-queue-wait", "60"]);
+    let s = Served::start(&args);
+    // A long stream holds the one running slot.
+    let (holder, _) = open_stream(&s.addr, "/v1/completions", &[], &long(true), 2);
+    // A request with a short deadline waits in the queue, then leaves it: 408 `timeout`.
+    let t0 = Instant::now();
+    let body = json!({"prompt": "hi", "max_tokens": 2, "timeout": 0.5});
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 408, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "timeout");
+    assert!(t0.elapsed() >= Duration::from_millis(450), "{:?}", t0.elapsed());
+    assert_eq!(s.metric("kvx_admission_refused_total{reason=\"deadline\"}"), Some(1.0));
+    // One waits (the queue holds one)...
+    let addr = s.addr.clone();
+    let waiting = std::thread::spawn(move || {
+        let b = json!({"prompt": "hi", "max_tokens": 2}).to_string();
+        http(&addr, "POST", "/v1/completions", &[], Some(b.as_bytes()))
+    });
+    wait_for("a queued request", Duration::from_secs(10), || {
+        s.metric("kvx_admission_queue_depth") == Some(1.0)
+    });
+    // ... and the next finds the queue full: 429 with Retry-After, at once.
+    let t0 = Instant::now();
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(r.json()["error"]["code"], "overloaded");
+    let retry: u64 = r.header("retry-after").expect("Retry-After").parse().expect("seconds");
+    assert!(retry >= 1, "{retry}");
+    assert_eq!(s.metric("kvx_admission_refused_total{reason=\"queue_full\"}"), Some(1.0));
+    // The holder goes away: the waiting request runs.
+    drop(holder);
+    let r = waiting.join().expect("client");
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_for("the blocks back", Duration::from_secs(10), || {
+        s.metric("kvx_kv_blocks_active") == Some(0.0)
+    });
+    assert_eq!(s.metric("kvx_admission_queue_depth"), Some(0.0));
+}
+
+#[test]
+fn a_deadline_ends_a_running_request_and_frees_its_blocks() {
+    let s = Served::start(SLOW);
+    // Streamed: the stream ends with a `timeout` error event after about a second.
+    let mut body = long(true);
+    body["timeout"] = json!(1.0);
+    let t0 = Instant::now();
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200);
+    let ev = r.events();
+    let err = ev.iter().find(|e| e.get("error").is_some()).expect("an error event");
+    assert_eq!(err["error"]["code"], "timeout", "{err}");
+    assert_eq!(ev.last().and_then(Value::as_str), Some("[DONE]"));
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // Whole: 408 after the header's deadline (the shorter of the two).
+    let mut body = long(false);
+    body["timeout"] = json!(30);
+    let r = http(
+        &s.addr,
+        "POST",
+        "/v1/completions",
+        &[("X-Request-Timeout", "1")],
+        Some(body.to_string().as_bytes()),
+    );
+    assert_eq!(r.status, 408, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "timeout");
+    // A malformed deadline is a 400.
+    let mut bad = long(false);
+    bad["timeout"] = json!(-1);
+    assert_eq!(s.post("/v1/completions", &bad).status, 400);
+    wait_for("the blocks back", Duration::from_secs(10), || {
+        s.metric("kvx_kv_blocks_active") == Some(0.0)
+    });
+    assert_eq!(s.metric("kvx_streams_cut_total{reason=\"deadline\"}"), Some(1.0));
+    assert_eq!(s.metric("kvx_inflight_requests"), Some(0.0));
+}
+
+#[test]
+fn a_stream_nobody_reads_is_cut_at_the_byte_bound_and_its_blocks_freed() {
+    let s = Served::start(&[
+        "--engine",
+        "mocker",
+        "--speedup-ratio",
+        "1000",
+        "--shards",
+        "1",
+        "--stream-buffer-bytes",
+        "8192",
+    ]);
+    // Fifty streams whose clients read two events and then nothing.
+    let held: Vec<_> =
+        (0..50).map(|_| open_stream(&s.addr, "/v1/completions", &[], &long(true), 2).0).collect();
+    wait_for("every stream cut", Duration::from_secs(60), || {
+        s.metric("kvx_streams_cut_total{reason=\"unread\"}") == Some(50.0)
+    });
+    wait_for("the blocks back", Duration::from_secs(10), || {
+        s.metric("kvx_kv_blocks_active") == Some(0.0)
+    });
+    // Meanwhile the server serves others.
+    let r = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 4}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(held);
+    wait_for("nothing in flight", Duration::from_secs(10), || {
+        s.metric("kvx_inflight_requests") == Some(0.0)
+    });
+}
