@@ -34,15 +34,16 @@ run_one() {
   local seeds=()
   [ -d "$dir/regressions/$target" ] && seeds=("$dir/regressions/$target")
   local rc=0
-  (cd "$dir" && "$CARGO_FUZZ" +nightly run --release "$target" "$dir/corpus/$target" "${seeds[@]}" -- \
+  (cd "$dir" && PATH="$(dirname "$CARGO_FUZZ"):$PATH" cargo +nightly fuzz run --release "$target" \
+    "$dir/corpus/$target" "${seeds[@]}" -- \
     -max_total_time="$SECS" -print_final_stats=1 -timeout=10 -rss_limit_mb=4096) \
     > "$LOGS/$target.log" 2>&1 || rc=$?
   local execs runs cov
   runs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$LOGS/$target.log" | grep -oE '[0-9]+$' || echo 0)
-  execs=$(grep -oE 'exec/s: *[0-9]+' "$LOGS/$target.log" | tail -1 | grep -oE '[0-9]+$' || echo 0)
+  execs=$(grep -oE 'stat::average_exec_per_sec: *[0-9]+' "$LOGS/$target.log" | grep -oE '[0-9]+$' || echo 0)
   cov=$(grep -oE 'cov: *[0-9]+' "$LOGS/$target.log" | tail -1 | grep -oE '[0-9]+$' || echo 0)
   local crashes
-  crashes=$(find "$dir/artifacts/$target" -type f 2> /dev/null | wc -l)
+  crashes=$( (find "$dir/artifacts/$target" -type f 2> /dev/null || true) | wc -l)
   printf '%-16s %-22s rc %-3s %12s runs %8s exec/s  cov %6s  crashes %s\n' \
     "$target" "$crate" "$rc" "$runs" "$execs" "$cov" "$crashes"
 }

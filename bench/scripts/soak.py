@@ -192,7 +192,8 @@ def main():
                                  "--advertise-client-urls", f"http://127.0.0.1:{cport}",
                                  "--listen-peer-urls", f"http://127.0.0.1:{pport}"], out)
             procs.append(etcd)
-            disc = ["--discovery", "etcd", "--etcd-endpoints", f"http://127.0.0.1:{cport}"]
+            disc = ["--discovery", "etcd", "--etcd-endpoints", f"http://127.0.0.1:{cport}",
+                    "--namespace", "soak", "--lease-ttl", "3"]
             time.sleep(1)
         server = Proc("frontend", [KVX, "frontend", "--port", str(port), "--worker-listen",
                                    f"127.0.0.1:{wport}", "--migration-limit",
@@ -202,7 +203,7 @@ def main():
         for w in range(a.fleet):
             wargs = [KVX, "worker", "--engine", a.engine, "--worker-id", str(w + 1), "--shards", "1",
                      "--threads-per-shard", "1"] + margs
-            wargs += disc if a.etcd else ["--frontend", f"127.0.0.1:{wport}"]
+            wargs += ["--listen", "127.0.0.1:0"] + disc if a.etcd else ["--frontend", f"127.0.0.1:{wport}"]
             workers.append(Proc(f"worker{w + 1}", wargs, out))
             procs.append(workers[-1])
         wait_until(lambda: metric(port, "kvx_router_plane_workers") == a.fleet, 120, "the workers")
