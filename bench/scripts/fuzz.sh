@@ -27,6 +27,8 @@ ALL=(
 )
 want=("$@")
 LOGS=$(mktemp -d)
+STAMP=$LOGS/start  # crashes are counted from this run only
+touch "$STAMP"
 run_one() {
   local crate=$1 target=$2
   local dir=$ROOT/$crate/fuzz
@@ -43,7 +45,7 @@ run_one() {
   execs=$(grep -oE 'stat::average_exec_per_sec: *[0-9]+' "$LOGS/$target.log" | grep -oE '[0-9]+$' || echo 0)
   cov=$(grep -oE 'cov: *[0-9]+' "$LOGS/$target.log" | tail -1 | grep -oE '[0-9]+$' || echo 0)
   local crashes
-  crashes=$( (find "$dir/artifacts/$target" -type f 2> /dev/null || true) | wc -l)
+  crashes=$( (find "$dir/artifacts/$target" -type f -newer "$STAMP" 2> /dev/null || true) | wc -l)
   printf '%-16s %-22s rc %-3s %12s runs %8s exec/s  cov %6s  crashes %s\n' \
     "$target" "$crate" "$rc" "$runs" "$execs" "$cov" "$crashes"
 }

@@ -86,37 +86,43 @@ t_end=$(date +%s.%N)
 stop
 
 python3 - "$OUT" "$DUR" "$t_base" "$t_over" "$t_end" "$C" <<'EOF'
-import json, sys
+import json, math, sys
 out, dur, t_base, t_over, t_end, cap = sys.argv[1], float(sys.argv[2]), *map(float, sys.argv[3:7])
 def run(name):
     return json.load(open(f"{out}/{name}.json"))["runs"][0]
 def pct(v, q):
     v = sorted(v)
-    return v[min(len(v) - 1, max(0, int(round(q / 100 * len(v) + 0.5)) - 1))] if v else float("nan")
+    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
 rss = [tuple(map(float, l.split())) for l in open(f"{out}/rss.txt") if len(l.split()) == 2]
 def rss_in(a, b):
     return [kb / 1024 for t, kb in rss if a <= t < b]
 base, oa, ob = run("base"), run("over_a"), run("over_b")
 def ttfts(rs, lo, hi):
     return [r["ttft_ms"] for r in rs if r.get("ttft_ms") is not None and lo <= r["start_ms"] < hi]
-def errors(*runs):
+def in_window(rs, lo, hi):
+    return [r for r in rs if lo <= r["start_ms"] < hi]
+def errors(records):
     e = {}
-    for r in runs:
-        for k, v in (r.get("errors") or {}).items():
-            e[k] = e.get(k, 0) + v
+    for r in records:
+        if r.get("error"):
+            e[r["error"]] = e.get(r["error"], 0) + 1
     return e
 bt = ttfts(base["request_records"], 0, 1e12)
 ot = ttfts(oa["request_records"], 0, dur * 1e3) + ttfts(ob["request_records"], 0, dur * 1e3)
 rt = ttfts(ob["request_records"], (dur + 5) * 1e3, 1e12)
 b_rss, o_rss = rss_in(t_base, t_over), rss_in(t_over, t_over + dur)
-err_b, err_o = errors(base), errors(oa, ob)
-bad = {k: v for k, v in {**err_b, **err_o}.items() if not k.startswith("shed_")}
-sent_o = oa["requests"]["sent"] + ob["requests"]["sent"]
-done_o = oa["requests"]["completed"] + ob["requests"]["completed"]
+# Every record by the phase it was sent in (the 0.8x client runs on into the recovery).
+b_rec = base["request_records"]
+o_rec = in_window(oa["request_records"], 0, dur * 1e3) + in_window(ob["request_records"], 0, dur * 1e3)
+r_rec = in_window(ob["request_records"], (dur + 5) * 1e3, 1e12)
+err_b, err_o, err_r = errors(b_rec), errors(o_rec), errors(r_rec)
+bad = {k: v for k, v in {**err_b, **err_o, **err_r}.items() if not k.startswith("shed_")}
+def done(rs):
+    return sum(1 for r in rs if not r.get("error"))
 rows = [
-    ("base 0.8x", base["requests"]["sent"], base["requests"]["completed"], err_b, bt, b_rss),
-    ("overload 3x", sent_o, done_o, err_o, ot, o_rss),
-    ("recovery 0.8x (+5 s on)", len(rt), len(rt), {}, rt, rss_in(t_over + dur, t_end)),
+    ("base 0.8x", len(b_rec), done(b_rec), err_b, bt, b_rss),
+    ("overload 3x", len(o_rec), done(o_rec), err_o, ot, o_rss),
+    ("recovery 0.8x (+5 s on)", len(r_rec), done(r_rec), err_r, rt, rss_in(t_over + dur, t_end)),
 ]
 print(f"capacity C = {cap:.2f} requests/s; phases of {dur:.0f} s")
 print(f"{'phase':26} {'sent':>6} {'done':>6} {'refused/failed':24} {'TTFT p50':>9} {'TTFT p99':>9} {'RSS MiB (max)':>14}")

@@ -124,7 +124,8 @@ def main():
         while kv and time.time() - t_end < 120:
             time.sleep(1)
             kv = metric(port, "kvx_kv_blocks_active")
-        cut = metric(port, 'kvx_streams_cut_total{reason="unread"}')
+        cut = metric(port, 'kvx_streams_cut_total{reason="unread"}') or 0.0
+        kv = kv if kv is not None else float("nan")
         stop.set()
         for t in lor:
             t.join()

@@ -21,10 +21,11 @@ pub struct AdmissionConfig {
     /// Engine requests dispatched and not ended at most; more wait here (0 = no bound here:
     /// requests wait in the engines' queues, and the wait check still applies).
     pub max_running: usize,
-    /// Engine requests not started yet (waiting here, or dispatched with no output yet) at
-    /// most; more are refused.
+    /// Engine requests waiting to start at most (here, with a running bound; dispatched with
+    /// no output yet, without one); more are refused.
     pub max_queue: usize,
-    /// Longest estimated wait a newcomer is admitted with; longer ones are refused.
+    /// Longest estimated wait for a running slot a newcomer is admitted with; longer ones are
+    /// refused (with a running bound: without one the wait is not estimated).
     pub max_wait: Duration,
 }
 
@@ -169,6 +170,9 @@ impl Admission {
             m => weight.clamp(1, m),
         };
         let wait = self.estimated_wait(now, w);
+        if deadline.is_some_and(|d| now >= d) {
+            return Err(Refused::Deadline);
+        }
         if self.waiting() + w > self.cfg.max_queue.max(w) {
             return Err(Refused::QueueFull { retry_after: wait });
         }
@@ -192,7 +196,13 @@ impl Admission {
             }
         };
         self.unstarted.fetch_add(w, Ordering::Relaxed);
-        Ok(Ticket { admission: self.clone(), permit, unstarted: w, since: Instant::now() })
+        Ok(Ticket {
+            admission: self.clone(),
+            permit,
+            unstarted: w,
+            weight: w,
+            since: Instant::now(),
+        })
     }
 }
 
@@ -222,6 +232,8 @@ pub struct Ticket {
     permit: Option<OwnedSemaphorePermit>,
     /// Of its engine requests, those that have not started.
     unstarted: usize,
+    /// Its engine requests.
+    weight: usize,
     /// When it got its slots.
     since: Instant,
 }
@@ -240,7 +252,9 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let a = &self.admission;
         a.unstarted.fetch_sub(self.unstarted, Ordering::Relaxed);
-        if let Some(p) = self.permit.take() {
+        // Only a request that started says how long a slot is held (one refused by the
+        // engine at once would pull the estimate towards zero).
+        if let Some(p) = self.permit.take().filter(|_| self.unstarted < self.weight) {
             let now = Instant::now();
             let held = now.saturating_duration_since(self.since).as_secs_f64();
             for _ in 0..p.num_permits() {
@@ -314,6 +328,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_deadline_already_past_is_a_deadline_and_only_started_requests_count_as_holds() {
+        let a = adm(1, 10, 60_000);
+        let past = Instant::now() - Duration::from_millis(1);
+        assert_eq!(a.enter(1, Some(past)).await.err(), Some(Refused::Deadline));
+        // A request refused by the engine before it started holds its slot for no time: it
+        // is not counted.
+        drop(a.enter(1, None).await.unwrap());
+        assert_eq!(a.holds.mean(Instant::now()), None);
+        let mut t = a.enter(1, None).await.unwrap();
+        t.started();
+        drop(t);
+        assert!(a.holds.mean(Instant::now()).is_some());
+    }
+
+    #[tokio::test]
     async fn the_queue_is_bounded() {
         let a = adm(0, 3, 60_000);
         let t1 = a.enter(2, None).await.unwrap();
@@ -326,7 +355,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn requests_past_the_running_bound_wait_in_order_until_their_deadline() {
         let a = adm(2, 10, 60_000);
-        let first = a.enter(2, None).await.unwrap();
+        let mut first = a.enter(2, None).await.unwrap();
+        first.started();
         // Past the bound: the next waits (and counts as queued) until a slot frees.
         let a2 = a.clone();
         let waiting = tokio::spawn(async move { a2.enter(1, None).await.map(|_| ()) });

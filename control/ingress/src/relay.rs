@@ -80,7 +80,8 @@ impl StreamState {
         drop(self.ticket.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
-    fn choice_ended(&self) {
+    /// One of its engine requests ended (after the last, the running slot is released).
+    pub fn choice_ended(&self) {
         if self.ended.fetch_add(1, Ordering::AcqRel) + 1 >= self.choices {
             self.release();
         }

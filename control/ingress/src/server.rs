@@ -797,6 +797,10 @@ impl Guard {
     async fn admit_queue(&mut self, deadline: Option<Instant>) -> Result<(), ApiError> {
         let s = &self.shared;
         match s.admission.enter(self.weight, deadline).await {
+            // A request that waited through the start of a shutdown does not start.
+            Ok(_) if s.draining.load(Ordering::Relaxed) => {
+                Err(ApiError::unavailable("the server is shutting down"))
+            }
             Ok(t) => {
                 self.ticket = Some(t);
                 Ok(())
@@ -1050,6 +1054,12 @@ async fn start(
             guard.ticket.take(),
             Box::new(move |c| metrics.metrics.stream_cut(cut_label(c))),
         );
+        // A choice that already ended (its end came with its first message) is counted now.
+        for sub in &subs {
+            if matches!(sub.pending, Some(Output::Finished { .. } | Output::Error { .. })) {
+                state.choice_ended();
+            }
+        }
         for sub in &mut subs {
             // A closed placeholder while the engine's receiver moves into the relay.
             #[allow(clippy::disallowed_methods)]

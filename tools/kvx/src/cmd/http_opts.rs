@@ -80,9 +80,9 @@ pub(crate) struct HttpOpts {
     /// Engine requests waiting to start at most (429 with Retry-After above).
     #[arg(long, env = "KVX_MAX_QUEUE", default_value_t = 1024)]
     pub(crate) max_queue: usize,
-    /// Longest wait to start, in seconds, a new request is admitted with (estimated from the
-    /// requests ahead of it and the rate requests start at); longer ones get 429 with
-    /// Retry-After at once, so admitted requests keep their latency under overload.
+    /// Longest wait for a running slot, in seconds, a new request is admitted with (estimated
+    /// from the requests ahead of it and how long slots are held; with a running bound only);
+    /// longer ones get 429 with Retry-After at once, so admitted requests keep their latency.
     #[arg(long, env = "KVX_MAX_QUEUE_WAIT", default_value_t = 2.0)]
     pub(crate) max_queue_wait: f64,
     /// Bytes of a stream's output that may wait in the server for a client that stopped
