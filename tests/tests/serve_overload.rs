@@ -2,7 +2,7 @@
 //! past the running bound wait in order, a full queue answers 429 with `Retry-After`, a
 //! request's `timeout` ends it in the queue (408) or mid-stream (a `timeout` event) and frees
 //! its blocks, and a stream whose client stops reading is cut at the byte bound with its KV
-//! blocks freed.
+//! blocks freed, and one whose client keeps its window shut is closed after the send timeout.
 
 use std::time::{Duration, Instant};
 
@@ -135,4 +135,38 @@ fn a_stream_nobody_reads_is_cut_at_the_byte_bound_and_its_blocks_freed() {
     wait_for("nothing in flight", Duration::from_secs(10), || {
         s.metric("kvx_inflight_requests") == Some(0.0)
     });
+}
+
+#[test]
+fn a_client_that_stops_reading_is_closed_after_the_send_timeout() {
+    // The byte bound is far away: only the shut window can end the stream.
+    let s = Served::start(&[
+        "--engine",
+        "mocker",
+        "--speedup-ratio",
+        "20",
+        "--shards",
+        "1",
+        "--stream-buffer-bytes",
+        "67108864",
+        "--send-timeout",
+        "1",
+    ]);
+    let (mut held, _) = open_stream(&s.addr, "/v1/completions", &[], &long(true), 2);
+    // Its receive window fills, stays shut for a second, and the kernel closes the connection:
+    // the request is cancelled and its blocks freed long before its 7,000 tokens are done.
+    wait_for("the connection closed", Duration::from_secs(60), || {
+        s.metric("kvx_client_disconnects_total") == Some(1.0)
+    });
+    wait_for("the blocks back", Duration::from_secs(10), || {
+        s.metric("kvx_kv_blocks_active") == Some(0.0)
+    });
+    assert_eq!(s.metric("kvx_streams_cut_total{reason=\"unread\"}"), Some(0.0));
+    // What the client reads now ends without the stream's end.
+    use std::io::Read;
+    let mut rest = Vec::new();
+    let _ = held.read_to_end(&mut rest);
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(!rest.contains("[DONE]"), "the stream ran to its end");
+    assert!(rest.matches("data: ").count() < 7000, "the stream ran to its end");
 }

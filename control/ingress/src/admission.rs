@@ -1,12 +1,26 @@
 //! Overload control: the admission queue in front of the router. Engine requests past the
-//! server's running bound wait here in arrival order; a newcomer is refused at once (429 with
-//! `Retry-After`) when the queue is full or when its estimated wait here (the queue ahead over
-//! the rate running slots have been given back) is longer than the bound; one whose deadline
-//! passes while it waits leaves then. Admitted requests thus keep their latency under any
-//! offered load instead of every request waiting behind an ever longer queue. (Adding the
-//! engines' recent dispatch-to-first-token time to the estimate was measured and not kept:
-//! the two-second feedback lags, admissions come in waves, and both latency and throughput
-//! came out worse.)
+//! server's running bound, or past its bound on the prompt tokens of requests admitted that
+//! have not produced their first output (waiting in the engines or being prefilled), wait
+//! here in arrival order; a newcomer is refused at once (429 with `Retry-After`) when the
+//! queue is full or when its estimated wait here (the queue ahead over the rate slots have
+//! been given back) is longer than the bound; one whose deadline passes while it waits leaves
+//! then. Admitted requests thus keep their latency under any offered load instead of every
+//! request waiting behind an ever longer queue. The starting bound (off unless set; the
+//! engines' step token budget is a natural value) keeps the engines' own queues short: a
+//! request admitted starts within a step or two, so the wait is here, where it is estimated
+//! and bounded. Unless set, the wait bound is the recent mean time admitted requests took to
+//! start, between [`AUTO_WAIT_FLOOR`] and [`AUTO_WAIT_MAX`]: a request waits here at most
+//! about as long as its start then takes.
+//!
+//! Measured and not kept: adding the engines' recent dispatch-to-first-token time to the
+//! estimate (the two-second feedback lags, admissions come in waves, and both latency and
+//! throughput came out worse); a two-second wait bound while arrivals still found room,
+//! tightened only once nobody had for a second (under overload some arrival finds room now
+//! and then, and the long waits admitted then set the tail of the time to first token); a
+//! running bound that adapted to the time between tokens, lowered while it was over twice
+//! its light-load value (on two CPU shards it settled at its least, four per engine, and the
+//! server completed a third of the requests a second it had); the starting bound on by
+//! default (with the adaptive wait bound it refused a quarter of sixteen closed-loop streams).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,17 +35,33 @@ pub struct AdmissionConfig {
     /// Engine requests dispatched and not ended at most; more wait here (0 = no bound here:
     /// requests wait in the engines' queues, and the wait check still applies).
     pub max_running: usize,
+    /// Prompt tokens of engine requests admitted that have not produced their first output,
+    /// at most (0 = no bound; a larger request runs alone); more wait here.
+    pub max_starting_tokens: usize,
     /// Engine requests waiting to start at most (here, with a running bound; dispatched with
     /// no output yet, without one); more are refused.
     pub max_queue: usize,
-    /// Longest estimated wait for a running slot a newcomer is admitted with; longer ones are
-    /// refused (with a running bound: without one the wait is not estimated).
-    pub max_wait: Duration,
+    /// Longest estimated wait for a slot a newcomer is admitted with; longer ones are refused
+    /// (with a running or starting bound: without one the wait is not estimated). `None`: the
+    /// recent mean time to start, between [`AUTO_WAIT_FLOOR`] and [`AUTO_WAIT_MAX`] (the
+    /// latter before one is known).
+    pub max_wait: Option<Duration>,
 }
+
+/// The least wait bound when it follows the time requests take to start.
+pub const AUTO_WAIT_FLOOR: Duration = Duration::from_millis(250);
+/// The most wait bound when it follows the time requests take to start (and the bound
+/// before one is known).
+pub const AUTO_WAIT_MAX: Duration = Duration::from_secs(2);
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig { max_running: 0, max_queue: 1024, max_wait: Duration::from_secs(2) }
+        AdmissionConfig {
+            max_running: 0,
+            max_starting_tokens: 0,
+            max_queue: 1024,
+            max_wait: Some(Duration::from_secs(2)),
+        }
     }
 }
 
@@ -95,24 +125,35 @@ impl Holds {
 pub struct Admission {
     cfg: AdmissionConfig,
     slots: Option<Arc<Semaphore>>,
+    /// Prompt tokens of requests admitted and not started.
+    starts: Option<Arc<Semaphore>>,
     /// Engine requests waiting for a slot here.
     queued: AtomicUsize,
+    /// Their prompt tokens (as counted against the starting bound).
+    queued_tokens: AtomicUsize,
     /// Engine requests dispatched that have not produced their first output.
     unstarted: AtomicUsize,
     /// How long running slots were held.
     holds: Holds,
+    /// How long requests took from their starting slot to their first output.
+    start_holds: Holds,
 }
 
 impl Admission {
     /// An admission queue with these bounds.
     pub fn new(cfg: AdmissionConfig) -> Arc<Admission> {
         let slots = (cfg.max_running > 0).then(|| Arc::new(Semaphore::new(cfg.max_running)));
+        let bound = cfg.max_starting_tokens.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
+        let starts = (bound > 0).then(|| Arc::new(Semaphore::new(bound)));
         Arc::new(Admission {
             cfg,
             slots,
+            starts,
             queued: AtomicUsize::new(0),
+            queued_tokens: AtomicUsize::new(0),
             unstarted: AtomicUsize::new(0),
             holds: Holds::default(),
+            start_holds: Holds::default(),
         })
     }
 
@@ -126,84 +167,134 @@ impl Admission {
         self.queued.load(Ordering::Relaxed)
     }
 
-    /// Engine requests waiting to start: here for a slot with a running bound; dispatched
-    /// with no output yet (in the engines' queues, or being prefilled) without one.
+    /// Engine requests waiting to start: here for a slot with a running or starting bound;
+    /// dispatched with no output yet (in the engines' queues, or being prefilled) without.
     pub fn waiting(&self) -> usize {
-        match self.slots {
-            Some(_) => self.queued.load(Ordering::Relaxed),
-            None => self.unstarted.load(Ordering::Relaxed),
+        match self.slots.is_some() || self.starts.is_some() {
+            true => self.queued.load(Ordering::Relaxed),
+            false => self.unstarted.load(Ordering::Relaxed),
         }
     }
 
-    /// The wait for running slots `weight` engine requests arriving now would face: none
-    /// while slots are free and nobody waits, else the requests ahead and these over the rate
-    /// full slots free at — `max_running` over the mean time a slot was held in the last ten
-    /// seconds (Little's law: at light load the rate slots happened to free at is the arrival
-    /// rate, not what the server can do). Zero before a hold is known, and without a running
-    /// bound (requests then wait in the engines' queues, bounded by `max_queue` alone).
-    pub fn estimated_wait(&self, now: Instant, weight: usize) -> Duration {
-        let Some(slots) = &self.slots else { return Duration::ZERO };
-        let queued = self.queued.load(Ordering::Relaxed);
-        if queued == 0 && slots.available_permits() >= weight {
+    /// The longest estimated wait admitted now: the configured one, or the recent mean time
+    /// to start, between [`AUTO_WAIT_FLOOR`] and [`AUTO_WAIT_MAX`] (the latter before one is
+    /// known).
+    pub fn wait_bound(&self, now: Instant) -> Duration {
+        match self.cfg.max_wait {
+            Some(w) => w,
+            None => self.start_holds.mean(now).map_or(AUTO_WAIT_MAX, |s| {
+                Duration::from_secs_f64(s.min(3600.0)).clamp(AUTO_WAIT_FLOOR, AUTO_WAIT_MAX)
+            }),
+        }
+    }
+
+    /// Whether `w` running slots and `t` starting tokens are free with nobody waiting.
+    fn has_room(&self, w: usize, t: usize) -> bool {
+        let free = |s: &Option<Arc<Semaphore>>, n: usize| {
+            s.as_ref().is_none_or(|s| s.available_permits() >= n)
+        };
+        self.queued.load(Ordering::Relaxed) == 0 && free(&self.slots, w) && free(&self.starts, t)
+    }
+
+    /// The wait for slots `weight` engine requests with `tokens` prompt tokens arriving now
+    /// would face: none while slots are free and nobody waits, else what is ahead and these
+    /// over the rate full slots free at — the bound over the mean time a slot was held in the
+    /// last ten seconds (Little's law: at light load the rate slots happened to free at is
+    /// the arrival rate, not what the server can do), for the slower of the running slots and
+    /// the starting tokens. Zero before a hold is known, and without either bound (requests
+    /// then wait in the engines' queues, bounded by `max_queue` alone).
+    pub fn estimated_wait(&self, now: Instant, weight: usize, tokens: usize) -> Duration {
+        let (w, t) = self.weights(weight, tokens);
+        if self.has_room(w, t) {
             return Duration::ZERO;
         }
-        match self.holds.mean(now) {
-            Some(hold) => Duration::from_secs_f64(
-                ((queued + weight) as f64 * hold / self.cfg.max_running.max(1) as f64).min(1e6),
-            ),
-            None => Duration::ZERO,
-        }
+        let queued = self.queued.load(Ordering::Relaxed);
+        let wait = |ahead: usize, bound: usize, holds: &Holds| match bound {
+            0 => 0.0,
+            b => holds.mean(now).map_or(0.0, |h| ahead as f64 * h / b as f64),
+        };
+        let run = wait(queued + w, self.cfg.max_running, &self.holds);
+        let queued_tokens = self.queued_tokens.load(Ordering::Relaxed);
+        let start = wait(queued_tokens + t, self.starting_bound(), &self.start_holds);
+        Duration::from_secs_f64(run.max(start).min(1e6))
+    }
+
+    fn starting_bound(&self) -> usize {
+        self.cfg.max_starting_tokens.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize)
+    }
+
+    /// Running slots and starting tokens `weight` engine requests of `tokens` prompt tokens
+    /// take (each at least one, at most the bound).
+    fn weights(&self, weight: usize, tokens: usize) -> (usize, usize) {
+        let w = match self.cfg.max_running {
+            0 => weight.max(1),
+            m => weight.clamp(1, m),
+        };
+        let t = match self.starting_bound() {
+            0 => tokens.max(1),
+            b => tokens.clamp(1, b),
+        };
+        (w, t)
     }
 
     /// Admits `weight` engine requests (a request's choices; more than `max_running` count
-    /// as `max_running`): refused at once when the queue is full or the estimated wait is
+    /// as `max_running`) that prefill `tokens` prompt tokens together: refused at once when the queue is full or the estimated wait is
     /// longer than the bound or than what is left until `deadline`; otherwise waits for its
     /// slots in arrival order, or until `deadline`. Dropping the future leaves the queue.
     pub async fn enter(
         self: &Arc<Self>,
         weight: usize,
+        tokens: usize,
         deadline: Option<Instant>,
     ) -> Result<Ticket, Refused> {
         let now = Instant::now();
-        let w = match self.cfg.max_running {
-            0 => weight.max(1),
-            m => weight.clamp(1, m),
-        };
-        let wait = self.estimated_wait(now, w);
+        let (w, t) = self.weights(weight, tokens);
+        let wait = self.estimated_wait(now, w, t);
         if deadline.is_some_and(|d| now >= d) {
             return Err(Refused::Deadline);
         }
         if self.waiting() + w > self.cfg.max_queue.max(w) {
             return Err(Refused::QueueFull { retry_after: wait });
         }
-        if wait > self.cfg.max_wait || deadline.is_some_and(|d| now + wait > d) {
+        if wait > self.wait_bound(now) || deadline.is_some_and(|d| now + wait > d) {
             return Err(Refused::TooLong { wait });
         }
-        let permit = match &self.slots {
-            None => None,
-            Some(slots) => {
-                let _queued = Queued::new(&self.queued, w);
-                let acquire = slots.clone().acquire_many_owned(w as u32);
-                let got = match deadline {
-                    None => acquire.await,
-                    Some(d) => match tokio::time::timeout_at(d.into(), acquire).await {
-                        Ok(got) => got,
-                        Err(_) => return Err(Refused::Deadline),
-                    },
-                };
-                // The semaphore is never closed.
-                got.ok()
-            }
-        };
+        let _queued = Queued::new(&self.queued, w);
+        let _queued_tokens = Queued::new(&self.queued_tokens, t);
+        // Running slots first, then starting tokens, each in arrival order (a request holding
+        // starting tokens holds its running slots: no cycle).
+        let permit = acquire(&self.slots, w, deadline).await?;
+        let starting = acquire(&self.starts, t, deadline).await?;
         self.unstarted.fetch_add(w, Ordering::Relaxed);
+        let now = Instant::now();
         Ok(Ticket {
             admission: self.clone(),
             permit,
+            starting,
             unstarted: w,
             weight: w,
-            since: Instant::now(),
+            since: now,
         })
     }
+}
+
+/// `n` permits of `slots` (none without a bound), waited for until `deadline` at most.
+async fn acquire(
+    slots: &Option<Arc<Semaphore>>,
+    n: usize,
+    deadline: Option<Instant>,
+) -> Result<Option<OwnedSemaphorePermit>, Refused> {
+    let Some(slots) = slots else { return Ok(None) };
+    let acquire = slots.clone().acquire_many_owned(n as u32);
+    let got = match deadline {
+        None => acquire.await,
+        Some(d) => match tokio::time::timeout_at(d.into(), acquire).await {
+            Ok(got) => got,
+            Err(_) => return Err(Refused::Deadline),
+        },
+    };
+    // The semaphores are never closed.
+    Ok(got.ok())
 }
 
 /// Counts weight in the queue for as long as it lives.
@@ -230,6 +321,9 @@ impl Drop for Queued<'_> {
 pub struct Ticket {
     admission: Arc<Admission>,
     permit: Option<OwnedSemaphorePermit>,
+    /// Its starting tokens not given back (its share goes back as each engine request
+    /// starts).
+    starting: Option<OwnedSemaphorePermit>,
     /// Of its engine requests, those that have not started.
     unstarted: usize,
     /// Its engine requests.
@@ -244,6 +338,20 @@ impl Ticket {
         if self.unstarted > 0 {
             self.unstarted -= 1;
             self.admission.unstarted.fetch_sub(1, Ordering::Relaxed);
+            if let Some(p) = &mut self.starting {
+                let now = Instant::now();
+                self.admission
+                    .start_holds
+                    .add(now, now.saturating_duration_since(self.since).as_secs_f64());
+                // It keeps its tokens' share for the engine requests not started.
+                let keep = p.num_permits() * self.unstarted / (self.unstarted + 1);
+                let give = p.num_permits() - keep;
+                if self.unstarted == 0 {
+                    self.starting = None;
+                } else if give > 0 {
+                    drop(p.split(give));
+                }
+            }
         }
     }
 }
@@ -271,9 +379,54 @@ mod tests {
     fn adm(max_running: usize, max_queue: usize, max_wait_ms: u64) -> Arc<Admission> {
         Admission::new(AdmissionConfig {
             max_running,
+            max_starting_tokens: 0,
             max_queue,
-            max_wait: Duration::from_millis(max_wait_ms),
+            max_wait: Some(Duration::from_millis(max_wait_ms)),
         })
+    }
+
+    #[tokio::test]
+    async fn past_the_starting_tokens_requests_wait_until_enough_start() {
+        let a = Admission::new(AdmissionConfig {
+            max_running: 10,
+            max_starting_tokens: 4,
+            max_queue: 10,
+            max_wait: None,
+        });
+        // No start known yet: the most.
+        assert_eq!(a.wait_bound(Instant::now()), AUTO_WAIT_MAX);
+        // Three choices of a two-token prompt hold the whole bound (six counted as four).
+        let mut wide = a.enter(3, 6, None).await.unwrap();
+        let a2 = a.clone();
+        let next = tokio::spawn(async move { a2.enter(1, 2, None).await });
+        tokio::task::yield_now().await;
+        assert_eq!((a.queued(), a.queued_tokens.load(Ordering::Relaxed)), (1, 2));
+        // Its first choice starts: two of its four tokens go back, and the next is in.
+        wide.started();
+        let mut t = next.await.unwrap().unwrap();
+        assert_eq!((a.queued(), a.queued_tokens.load(Ordering::Relaxed)), (0, 0));
+        // Starts that took no time make the bound the floor; starts that took 0.5 s and 1.5 s,
+        // their mean; starts that took ten seconds, the most.
+        assert_eq!(a.wait_bound(Instant::now()), AUTO_WAIT_FLOOR);
+        let now = Instant::now();
+        *a.start_holds.0.lock().unwrap() = [(now, 0.5), (now, 1.5)].into();
+        assert_eq!(a.wait_bound(now), Duration::from_secs(1));
+        *a.start_holds.0.lock().unwrap() = [(now, 10.0)].into();
+        assert_eq!(a.wait_bound(now), AUTO_WAIT_MAX);
+        // Starts of a second and three: with the four tokens taken a newcomer of two would
+        // wait an estimated 2 x 2 s / 4.
+        *a.start_holds.0.lock().unwrap() = [(now, 1.0), (now, 3.0)].into();
+        let w = a.estimated_wait(now, 1, 2);
+        assert!((w.as_secs_f64() - 1.0).abs() < 1e-9, "{w:?}");
+        // One wider than the bound counts as the bound: 4 x 2 s / 4.
+        let w = a.estimated_wait(now, 1, 100);
+        assert!((w.as_secs_f64() - 2.0).abs() < 1e-9, "{w:?}");
+        // All started: tokens free, no wait.
+        t.started();
+        wide.started();
+        wide.started();
+        assert_eq!(a.estimated_wait(Instant::now(), 1, 4), Duration::ZERO);
+        assert!(a.enter(2, 4, None).await.is_ok());
     }
 
     #[test]
@@ -292,16 +445,16 @@ mod tests {
     #[tokio::test]
     async fn without_a_running_bound_requests_are_bounded_by_the_queue_alone() {
         let a = adm(0, 2, 300);
-        assert_eq!(a.estimated_wait(Instant::now(), 1), Duration::ZERO);
-        let mut t = a.enter(1, None).await.unwrap();
-        let _u = a.enter(1, None).await.unwrap();
+        assert_eq!(a.estimated_wait(Instant::now(), 1, 1), Duration::ZERO);
+        let mut t = a.enter(1, 1, None).await.unwrap();
+        let _u = a.enter(1, 1, None).await.unwrap();
         // Two dispatched, not started: the queue is full.
         assert_eq!(a.waiting(), 2);
-        assert!(matches!(a.enter(1, None).await, Err(Refused::QueueFull { .. })));
+        assert!(matches!(a.enter(1, 1, None).await, Err(Refused::QueueFull { .. })));
         // One starts: room again.
         t.started();
         assert_eq!(a.waiting(), 1);
-        assert!(a.enter(1, None).await.is_ok());
+        assert!(a.enter(1, 1, None).await.is_ok());
     }
 
     #[tokio::test]
@@ -309,21 +462,21 @@ mod tests {
         let a = adm(2, 100, 1000);
         let t0 = Instant::now();
         // Free slots and nobody waiting: no wait, whatever the rate.
-        assert_eq!(a.estimated_wait(t0, 1), Duration::ZERO);
-        let _t1 = a.enter(1, None).await.unwrap();
-        let _t2 = a.enter(1, None).await.unwrap();
+        assert_eq!(a.estimated_wait(t0, 1, 1), Duration::ZERO);
+        let _t1 = a.enter(1, 1, None).await.unwrap();
+        let _t2 = a.enter(1, 1, None).await.unwrap();
         // Full, no rate yet: admitted to wait.
-        assert_eq!(a.estimated_wait(t0, 1), Duration::ZERO);
+        assert_eq!(a.estimated_wait(t0, 1, 1), Duration::ZERO);
         // Slots held 0.5 s each, two of them: they free at 4 a second; the first in line
         // waits 0.25 s, the fifth 1.25 s.
         a.holds.add(t0, 0.4);
         a.holds.add(t0, 0.6);
-        let w1 = a.estimated_wait(Instant::now(), 1);
+        let w1 = a.estimated_wait(Instant::now(), 1, 1);
         assert!((w1.as_secs_f64() - 0.25).abs() < 1e-9, "{w1:?}");
         a.queued.fetch_add(4, Ordering::Relaxed);
-        let w5 = a.estimated_wait(Instant::now(), 1);
+        let w5 = a.estimated_wait(Instant::now(), 1, 1);
         assert!((w5.as_secs_f64() - 1.25).abs() < 1e-9, "{w5:?}");
-        assert!(matches!(a.enter(1, None).await, Err(Refused::TooLong { .. })));
+        assert!(matches!(a.enter(1, 1, None).await, Err(Refused::TooLong { .. })));
         a.queued.fetch_sub(4, Ordering::Relaxed);
     }
 
@@ -331,12 +484,12 @@ mod tests {
     async fn a_deadline_already_past_is_a_deadline_and_only_started_requests_count_as_holds() {
         let a = adm(1, 10, 60_000);
         let past = Instant::now() - Duration::from_millis(1);
-        assert_eq!(a.enter(1, Some(past)).await.err(), Some(Refused::Deadline));
+        assert_eq!(a.enter(1, 1, Some(past)).await.err(), Some(Refused::Deadline));
         // A request refused by the engine before it started holds its slot for no time: it
         // is not counted.
-        drop(a.enter(1, None).await.unwrap());
+        drop(a.enter(1, 1, None).await.unwrap());
         assert_eq!(a.holds.mean(Instant::now()), None);
-        let mut t = a.enter(1, None).await.unwrap();
+        let mut t = a.enter(1, 1, None).await.unwrap();
         t.started();
         drop(t);
         assert!(a.holds.mean(Instant::now()).is_some());
@@ -345,26 +498,26 @@ mod tests {
     #[tokio::test]
     async fn the_queue_is_bounded() {
         let a = adm(0, 3, 60_000);
-        let t1 = a.enter(2, None).await.unwrap();
-        let _t2 = a.enter(1, None).await.unwrap();
-        assert!(matches!(a.enter(1, None).await, Err(Refused::QueueFull { .. })));
+        let t1 = a.enter(2, 1, None).await.unwrap();
+        let _t2 = a.enter(1, 1, None).await.unwrap();
+        assert!(matches!(a.enter(1, 1, None).await, Err(Refused::QueueFull { .. })));
         drop(t1);
-        assert!(a.enter(2, None).await.is_ok());
+        assert!(a.enter(2, 1, None).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]
     async fn requests_past_the_running_bound_wait_in_order_until_their_deadline() {
         let a = adm(2, 10, 60_000);
-        let mut first = a.enter(2, None).await.unwrap();
+        let mut first = a.enter(2, 1, None).await.unwrap();
         first.started();
         // Past the bound: the next waits (and counts as queued) until a slot frees.
         let a2 = a.clone();
-        let waiting = tokio::spawn(async move { a2.enter(1, None).await.map(|_| ()) });
+        let waiting = tokio::spawn(async move { a2.enter(1, 1, None).await.map(|_| ()) });
         tokio::task::yield_now().await;
         assert_eq!(a.queued(), 1);
         // One with a deadline leaves at it, and leaves the queue.
         let d = Instant::now() + Duration::from_millis(200);
-        let r = a.enter(1, Some(d)).await;
+        let r = a.enter(1, 1, Some(d)).await;
         assert_eq!(r.err(), Some(Refused::Deadline));
         assert_eq!(a.queued(), 1);
         drop(first);
@@ -373,9 +526,9 @@ mod tests {
         // Given-back slots are counted for the estimate.
         assert!(a.holds.mean(Instant::now()).is_some());
         // A waiting request whose client went away leaves the queue too.
-        let held = a.enter(2, None).await.unwrap();
+        let held = a.enter(2, 1, None).await.unwrap();
         let a3 = a.clone();
-        let gone = tokio::spawn(async move { a3.enter(1, None).await.map(|_| ()) });
+        let gone = tokio::spawn(async move { a3.enter(1, 1, None).await.map(|_| ()) });
         tokio::task::yield_now().await;
         assert_eq!(a.queued(), 1);
         gone.abort();
@@ -383,6 +536,6 @@ mod tests {
         assert_eq!(a.queued(), 0);
         drop(held);
         // A request wider than the bound runs alone.
-        assert!(a.enter(5, None).await.is_ok());
+        assert!(a.enter(5, 1, None).await.is_ok());
     }
 }

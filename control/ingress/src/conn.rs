@@ -20,10 +20,26 @@ use hyper_util::service::TowerToHyperService;
 /// counted against `--stream-buffer-bytes`.
 pub(crate) const SEND_BUFFER_BYTES: usize = 64 << 10;
 
-/// Sets up an accepted connection: no Nagle delay, the fixed send buffer.
-pub(crate) fn tune(tcp: &tokio::net::TcpStream) {
+/// Unsent bytes the kernel holds for a connection at most beyond what the client's receive
+/// window lets out (`TCP_NOTSENT_LOWAT`): past them the socket is not writable, so output for
+/// a client that stops reading backs up into ingress after its window fills, not 128 KiB later.
+pub(crate) const NOTSENT_LOWAT_BYTES: u32 = 16 << 10;
+
+/// Sets up an accepted connection: no Nagle delay, the fixed send buffer, the unsent-bytes
+/// bound, and `send_timeout` as `TCP_USER_TIMEOUT`: a connection whose client acknowledges
+/// nothing, or keeps its receive window shut (it stopped reading), while the server has bytes
+/// for it, is closed by the kernel after that long, which ends its requests.
+pub(crate) fn tune(tcp: &tokio::net::TcpStream, send_timeout: Duration) {
     let _ = tcp.set_nodelay(true);
-    let _ = socket2::SockRef::from(tcp).set_send_buffer_size(SEND_BUFFER_BYTES);
+    let sock = socket2::SockRef::from(tcp);
+    let _ = sock.set_send_buffer_size(SEND_BUFFER_BYTES);
+    #[cfg(target_os = "linux")]
+    {
+        let _ = sock.set_tcp_notsent_lowat(NOTSENT_LOWAT_BYTES);
+        let _ = sock.set_tcp_user_timeout(Some(send_timeout.max(Duration::from_millis(1))));
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = send_timeout;
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then until every connection has

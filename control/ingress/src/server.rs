@@ -69,6 +69,9 @@ pub struct IngressConfig {
     pub header_read_timeout: Duration,
     /// A request's body must arrive within this after its headers (408 otherwise).
     pub body_read_timeout: Duration,
+    /// A connection whose client acknowledges nothing or keeps its receive window shut for
+    /// this long while output waits for it is closed (its requests cancelled).
+    pub send_timeout: Duration,
     /// The admission queue's bounds.
     pub admission: AdmissionConfig,
     /// Bytes of a stream's output that may wait for a client that does not read; past them
@@ -87,6 +90,7 @@ impl Default for IngressConfig {
             max_inflight: 4096,
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_secs(30),
             admission: AdmissionConfig::default(),
             stream_buffer_bytes: 256 << 10,
         }
@@ -210,13 +214,14 @@ impl Server {
             let _ = sig_tx.send(());
         };
         let header_timeout = shared.cfg.header_read_timeout;
+        let send_timeout = shared.cfg.send_timeout;
         let mut serve = match shared.cfg.tls.clone() {
             None => {
-                let listener = self.listener.tap_io(|tcp| conn::tune(tcp));
+                let listener = self.listener.tap_io(move |tcp| conn::tune(tcp, send_timeout));
                 tokio::spawn(conn::serve(listener, app, header_timeout, graceful))
             }
             Some(tls) => {
-                let listener = TlsListener::new(self.listener, tls);
+                let listener = TlsListener::new(self.listener, tls, send_timeout);
                 tokio::spawn(conn::serve(listener, app, header_timeout, graceful))
             }
         };
@@ -355,7 +360,7 @@ async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         return e.into_response();
     }
     s.metrics.admission_queued.set(s.admission.queued() as i64);
-    s.metrics.admission_wait.set(s.admission.estimated_wait(Instant::now(), 1).as_secs_f64());
+    s.metrics.admission_wait.set(s.admission.estimated_wait(Instant::now(), 1, 1).as_secs_f64());
     let text = s.metrics.render(&s.dispatcher.workers(), &s.dispatcher.router_metrics());
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(
@@ -794,9 +799,13 @@ impl Guard {
 
     /// Waits in the admission queue (until `deadline` at most); refusals are counted and
     /// answered 429 with `Retry-After` (408 at the deadline).
-    async fn admit_queue(&mut self, deadline: Option<Instant>) -> Result<(), ApiError> {
+    async fn admit_queue(
+        &mut self,
+        tokens: usize,
+        deadline: Option<Instant>,
+    ) -> Result<(), ApiError> {
         let s = &self.shared;
-        match s.admission.enter(self.weight, deadline).await {
+        match s.admission.enter(self.weight, tokens, deadline).await {
             // A request that waited through the start of a shutdown does not start.
             Ok(_) if s.draining.load(Ordering::Relaxed) => {
                 Err(ApiError::unavailable("the server is shutting down"))
@@ -821,7 +830,7 @@ impl Guard {
                             "overloaded: a new request would wait about {:.1} s to start (the \
                              bound is {:.1} s, or the request's timeout is shorter)",
                             wait.as_secs_f64(),
-                            s.admission.config().max_wait.as_secs_f64()
+                            s.admission.wait_bound(Instant::now()).as_secs_f64()
                         ),
                         secs(wait),
                     ),
@@ -957,7 +966,7 @@ async fn start(
         return Err(ApiError::unavailable("no worker is ready"));
     }
     guard.admit_key(&access, prompt_tokens as u64, weight)?;
-    guard.admit_queue(deadline).await?;
+    guard.admit_queue(prompt_tokens.saturating_mul(n), deadline).await?;
     let Prepared { params, prompts, stream, include_usage, echo, tools, score_only, .. } = prep;
     // A scored prompt's answer lists its tokens.
     let scored: Option<Vec<Arc<[TokenId]>>> =

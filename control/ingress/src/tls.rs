@@ -90,15 +90,16 @@ pub(crate) struct TlsListener {
     tcp: TcpListener,
     tls: Tls,
     handshakes: JoinSet<Option<(TlsStream<TcpStream>, SocketAddr)>>,
+    send_timeout: Duration,
 }
 
 impl TlsListener {
-    pub(crate) fn new(tcp: TcpListener, tls: Tls) -> Self {
-        TlsListener { tcp, tls, handshakes: JoinSet::new() }
+    pub(crate) fn new(tcp: TcpListener, tls: Tls, send_timeout: Duration) -> Self {
+        TlsListener { tcp, tls, handshakes: JoinSet::new(), send_timeout }
     }
 
     fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr) {
-        crate::conn::tune(&tcp);
+        crate::conn::tune(&tcp, self.send_timeout);
         let acceptor = self.tls.acceptor();
         let timeout = self.tls.handshake_timeout;
         self.handshakes.spawn(async move {
@@ -221,7 +222,9 @@ mod tests {
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = tcp.local_addr().unwrap();
         let app = Router::new().route("/", get(|| async { "hello" }));
-        tokio::spawn(axum::serve(TlsListener::new(tcp, tls), app).into_future());
+        tokio::spawn(
+            axum::serve(TlsListener::new(tcp, tls, Duration::from_secs(30)), app).into_future(),
+        );
         addr
     }
 

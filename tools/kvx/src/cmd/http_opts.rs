@@ -73,21 +73,33 @@ pub(crate) struct HttpOpts {
     /// Seconds a request's body has to arrive after its headers (408 otherwise).
     #[arg(long, env = "KVX_BODY_READ_TIMEOUT", default_value_t = 30.0)]
     pub(crate) body_read_timeout: f64,
+    /// Seconds a client may keep its receive window shut (it stopped reading) or leave sent
+    /// bytes unacknowledged while output waits for it; then the connection is closed and its
+    /// requests cancelled (TCP_USER_TIMEOUT).
+    #[arg(long, env = "KVX_SEND_TIMEOUT", default_value_t = 30.0)]
+    pub(crate) send_timeout: f64,
     /// Engine requests running at once at most; more wait in the admission queue in arrival
     /// order (0 = the engines' sequence slots with `serve`, no bound with `frontend`).
     #[arg(long, env = "KVX_MAX_RUNNING", default_value_t = 0)]
     pub(crate) max_running: usize,
+    /// Prompt tokens of engine requests admitted that have not produced their first output
+    /// (waiting in the engines or being prefilled) at most; more wait in the admission queue
+    /// (0 = no bound; e.g. the engines' step token budgets, 512 per shard by default).
+    #[arg(long, env = "KVX_MAX_STARTING_TOKENS", default_value_t = 0)]
+    pub(crate) max_starting_tokens: usize,
     /// Engine requests waiting to start at most (429 with Retry-After above).
     #[arg(long, env = "KVX_MAX_QUEUE", default_value_t = 1024)]
     pub(crate) max_queue: usize,
-    /// Longest wait for a running slot, in seconds, a new request is admitted with (estimated
-    /// from the requests ahead of it and how long slots are held; with a running bound only);
-    /// longer ones get 429 with Retry-After at once, so admitted requests keep their latency.
-    #[arg(long, env = "KVX_MAX_QUEUE_WAIT", default_value_t = 2.0)]
-    pub(crate) max_queue_wait: f64,
+    /// Longest wait for a slot, in seconds, a new request is admitted with (estimated from the
+    /// requests ahead of it and how long slots are held; with a running or starting bound
+    /// only); longer ones get 429 with Retry-After at once, so admitted requests keep their
+    /// latency. Default: the recent mean time admitted requests took to start (between 0.25
+    /// and 2; 2 before one is known), so a request waits about as long as its start takes.
+    #[arg(long, env = "KVX_MAX_QUEUE_WAIT")]
+    pub(crate) max_queue_wait: Option<f64>,
     /// Bytes of a stream's output that may wait in the server for a client that stopped
-    /// reading (beyond the connection's 128 KiB kernel send buffer); past them the request is
-    /// cancelled (its KV blocks freed).
+    /// reading (beyond the client's receive window and 16 KiB unsent in the kernel); past them
+    /// the request is cancelled (its KV blocks freed).
     #[arg(long, env = "KVX_STREAM_BUFFER_BYTES", default_value_t = 256 << 10)]
     pub(crate) stream_buffer_bytes: usize,
     /// HTTP threads (default: one per core).
@@ -104,7 +116,8 @@ impl HttpOpts {
         for (flag, v) in [
             ("--header-read-timeout", self.header_read_timeout),
             ("--body-read-timeout", self.body_read_timeout),
-            ("--max-queue-wait", self.max_queue_wait),
+            ("--send-timeout", self.send_timeout),
+            ("--max-queue-wait", self.max_queue_wait.unwrap_or(1.0)),
         ] {
             if !(v.is_finite() && v > 0.0 && v < 1e9) {
                 bail!("{flag} must be a positive number of seconds");
@@ -124,10 +137,12 @@ impl HttpOpts {
             max_inflight: self.max_inflight.max(1),
             header_read_timeout: Duration::from_secs_f64(self.header_read_timeout),
             body_read_timeout: Duration::from_secs_f64(self.body_read_timeout),
+            send_timeout: Duration::from_secs_f64(self.send_timeout),
             admission: AdmissionConfig {
                 max_running: self.max_running,
+                max_starting_tokens: self.max_starting_tokens,
                 max_queue: self.max_queue.max(1),
-                max_wait: Duration::from_secs_f64(self.max_queue_wait),
+                max_wait: self.max_queue_wait.map(Duration::from_secs_f64),
             },
             stream_buffer_bytes: self.stream_buffer_bytes.max(4096),
         })
