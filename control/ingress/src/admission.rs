@@ -38,8 +38,8 @@ pub struct AdmissionConfig {
     /// Prompt tokens of engine requests admitted that have not produced their first output,
     /// at most (0 = no bound; a larger request runs alone); more wait here.
     pub max_starting_tokens: usize,
-    /// Engine requests waiting to start at most (here, with a running bound; dispatched with
-    /// no output yet, without one); more are refused.
+    /// Engine requests waiting to start at most (here, with a running or starting bound;
+    /// dispatched with no output yet, without either); more are refused.
     pub max_queue: usize,
     /// Longest estimated wait for a slot a newcomer is admitted with; longer ones are refused
     /// (with a running or starting bound: without one the wait is not estimated). `None`: the
@@ -56,12 +56,7 @@ pub const AUTO_WAIT_MAX: Duration = Duration::from_secs(2);
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig {
-            max_running: 0,
-            max_starting_tokens: 0,
-            max_queue: 1024,
-            max_wait: Some(Duration::from_secs(2)),
-        }
+        AdmissionConfig { max_running: 0, max_starting_tokens: 0, max_queue: 1024, max_wait: None }
     }
 }
 
@@ -264,16 +259,19 @@ impl Admission {
         // Running slots first, then starting tokens, each in arrival order (a request holding
         // starting tokens holds its running slots: no cycle).
         let permit = acquire(&self.slots, w, deadline).await?;
+        let slotted = Instant::now();
         let starting = acquire(&self.starts, t, deadline).await?;
-        self.unstarted.fetch_add(w, Ordering::Relaxed);
-        let now = Instant::now();
+        // Every engine request starts on its own (a wide request counted as the bound too).
+        let n = weight.max(1);
+        self.unstarted.fetch_add(n, Ordering::Relaxed);
         Ok(Ticket {
             admission: self.clone(),
             permit,
             starting,
-            unstarted: w,
-            weight: w,
-            since: now,
+            unstarted: n,
+            weight: n,
+            slotted,
+            since: Instant::now(),
         })
     }
 }
@@ -328,7 +326,9 @@ pub struct Ticket {
     unstarted: usize,
     /// Its engine requests.
     weight: usize,
-    /// When it got its slots.
+    /// When it got its running slots.
+    slotted: Instant,
+    /// When it got its starting tokens too (all it waited for).
     since: Instant,
 }
 
@@ -338,11 +338,14 @@ impl Ticket {
         if self.unstarted > 0 {
             self.unstarted -= 1;
             self.admission.unstarted.fetch_sub(1, Ordering::Relaxed);
-            if let Some(p) = &mut self.starting {
+            // The time to start is its first engine request's (the other choices of a prompt
+            // start after it by design).
+            if self.unstarted + 1 == self.weight {
                 let now = Instant::now();
-                self.admission
-                    .start_holds
-                    .add(now, now.saturating_duration_since(self.since).as_secs_f64());
+                let secs = now.saturating_duration_since(self.since).as_secs_f64();
+                self.admission.start_holds.add(now, secs);
+            }
+            if let Some(p) = &mut self.starting {
                 // It keeps its tokens' share for the engine requests not started.
                 let keep = p.num_permits() * self.unstarted / (self.unstarted + 1);
                 let give = p.num_permits() - keep;
@@ -364,7 +367,7 @@ impl Drop for Ticket {
         // engine at once would pull the estimate towards zero).
         if let Some(p) = self.permit.take().filter(|_| self.unstarted < self.weight) {
             let now = Instant::now();
-            let held = now.saturating_duration_since(self.since).as_secs_f64();
+            let held = now.saturating_duration_since(self.slotted).as_secs_f64();
             for _ in 0..p.num_permits() {
                 a.holds.add(now, held);
             }
@@ -427,6 +430,28 @@ mod tests {
         wide.started();
         assert_eq!(a.estimated_wait(Instant::now(), 1, 4), Duration::ZERO);
         assert!(a.enter(2, 4, None).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_wait_bound_follows_starts_with_a_running_bound_alone() {
+        let a = Admission::new(AdmissionConfig { max_running: 2, ..AdmissionConfig::default() });
+        assert_eq!(a.wait_bound(Instant::now()), AUTO_WAIT_MAX);
+        // Two choices: only the first one's start is a time to start.
+        let mut t = a.enter(2, 10, None).await.unwrap();
+        t.started();
+        assert_eq!(a.start_holds.0.lock().unwrap().len(), 1);
+        t.started();
+        assert_eq!(a.start_holds.0.lock().unwrap().len(), 1);
+        assert_eq!(a.wait_bound(Instant::now()), AUTO_WAIT_FLOOR);
+        // A request wider than the running bound still counts each choice's start.
+        drop(t);
+        let mut wide = a.enter(3, 10, None).await.unwrap();
+        for _ in 0..3 {
+            wide.started();
+        }
+        assert_eq!(a.unstarted.load(Ordering::Relaxed), 0);
+        drop(wide);
+        assert_eq!(a.unstarted.load(Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -966,7 +966,13 @@ async fn start(
         return Err(ApiError::unavailable("no worker is ready"));
     }
     guard.admit_key(&access, prompt_tokens as u64, weight)?;
-    guard.admit_queue(prompt_tokens.saturating_mul(n), deadline).await?;
+    // A prompt is prefilled once and its other choices fork from it, unless its positions
+    // are scored (then each choice computes it).
+    let prefilled = match prep.params.prompt_logprobs {
+        Some(_) => prompt_tokens.saturating_mul(n),
+        None => prompt_tokens,
+    };
+    guard.admit_queue(prefilled, deadline).await?;
     let Prepared { params, prompts, stream, include_usage, echo, tools, score_only, .. } = prep;
     // A scored prompt's answer lists its tokens.
     let scored: Option<Vec<Arc<[TokenId]>>> =
