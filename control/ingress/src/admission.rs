@@ -138,8 +138,16 @@ impl Admission {
     /// An admission queue with these bounds.
     pub fn new(cfg: AdmissionConfig) -> Arc<Admission> {
         let slots = (cfg.max_running > 0).then(|| Arc::new(Semaphore::new(cfg.max_running)));
-        let bound = cfg.max_starting_tokens.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize);
-        let starts = (bound > 0).then(|| Arc::new(Semaphore::new(bound)));
+        // As many permits as a semaphore holds and one acquisition takes.
+        let cfg = AdmissionConfig {
+            max_starting_tokens: cfg
+                .max_starting_tokens
+                .min(Semaphore::MAX_PERMITS)
+                .min(u32::MAX as usize),
+            ..cfg
+        };
+        let starts = (cfg.max_starting_tokens > 0)
+            .then(|| Arc::new(Semaphore::new(cfg.max_starting_tokens)));
         Arc::new(Admission {
             cfg,
             slots,
@@ -165,9 +173,10 @@ impl Admission {
     /// Engine requests waiting to start: here for a slot with a running or starting bound;
     /// dispatched with no output yet (in the engines' queues, or being prefilled) without.
     pub fn waiting(&self) -> usize {
-        match self.slots.is_some() || self.starts.is_some() {
-            true => self.queued.load(Ordering::Relaxed),
-            false => self.unstarted.load(Ordering::Relaxed),
+        if self.slots.is_some() || self.starts.is_some() {
+            self.queued.load(Ordering::Relaxed)
+        } else {
+            self.unstarted.load(Ordering::Relaxed)
         }
     }
 
@@ -210,12 +219,8 @@ impl Admission {
         };
         let run = wait(queued + w, self.cfg.max_running, &self.holds);
         let queued_tokens = self.queued_tokens.load(Ordering::Relaxed);
-        let start = wait(queued_tokens + t, self.starting_bound(), &self.start_holds);
+        let start = wait(queued_tokens + t, self.cfg.max_starting_tokens, &self.start_holds);
         Duration::from_secs_f64(run.max(start).min(1e6))
-    }
-
-    fn starting_bound(&self) -> usize {
-        self.cfg.max_starting_tokens.min(Semaphore::MAX_PERMITS).min(u32::MAX as usize)
     }
 
     /// Running slots and starting tokens `weight` engine requests of `tokens` prompt tokens
@@ -225,7 +230,7 @@ impl Admission {
             0 => weight.max(1),
             m => weight.clamp(1, m),
         };
-        let t = match self.starting_bound() {
+        let t = match self.cfg.max_starting_tokens {
             0 => tokens.max(1),
             b => tokens.clamp(1, b),
         };

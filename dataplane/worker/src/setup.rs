@@ -296,6 +296,14 @@ impl EngineSetup {
         self.roles.get(i).copied().unwrap_or_default()
     }
 
+    /// Sequences the engines that decode can run at once: every engine's slots, or only the
+    /// decode engines' when some engines prefill for others.
+    pub fn sequence_slots(&self) -> usize {
+        let decoders = (0..self.engines).filter(|&i| self.role(i) == WorkerRole::Decode).count();
+        let engines = if decoders > 0 { decoders } else { self.engines };
+        engines * self.limits.max_num_seqs.max(1)
+    }
+
     /// Whether any engine takes part in disaggregated serving.
     pub fn disaggregated(&self) -> bool {
         (0..self.engines).any(|i| self.role(i) != WorkerRole::Agg)
@@ -779,6 +787,16 @@ mod tests {
         assert!(s.validate().is_ok());
         s.mocker.vocab = None;
         assert!(matches!(s.validate(), Err(SetupError::Invalid(_))));
+    }
+
+    #[test]
+    fn sequence_slots_are_the_decoding_engines_slots() {
+        let mut s = mocker();
+        s.engines = 3;
+        s.limits.max_num_seqs = 8;
+        assert_eq!(s.sequence_slots(), 24);
+        s.roles = vec![WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode];
+        assert_eq!(s.sequence_slots(), 16);
     }
 
     #[test]

@@ -102,9 +102,7 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let n = setup.engines;
     if cfg.admission.max_running == 0 {
         // Past the engines' sequence slots, requests wait in front of the router.
-        let decoders = setup.roles.iter().filter(|r| **r == WorkerRole::Decode).count();
-        cfg.admission.max_running =
-            decoders.max(n * usize::from(decoders == 0)) * setup.limits.max_num_seqs.max(1);
+        cfg.admission.max_running = setup.sequence_slots();
     }
     let prepared = setup.prepare()?;
     let tokenizer = prepared.tokenizer().cloned().context("the model has no tokenizer")?;
