@@ -228,3 +228,59 @@ impl Drop for Worker {
         let _ = self.child.wait();
     }
 }
+
+/// A `kvx planner` process; its decisions (stdout JSON lines) are collected as they come.
+#[derive(Debug)]
+pub struct PlannerProc {
+    child: Child,
+    /// Where its own /metrics listens.
+    pub metrics: String,
+    rx: Receiver<String>,
+    /// Decisions printed so far.
+    pub decisions: Vec<serde_json::Value>,
+}
+
+impl PlannerProc {
+    /// `kvx planner ARGS`, once its metrics address is printed.
+    pub fn start(args: &[&str]) -> PlannerProc {
+        let mut a = vec!["planner".to_string()];
+        a.extend(args.iter().map(|s| s.to_string()));
+        let (mut child, rx) = spawn_in(None, &a);
+        let metrics = wait_line(&mut child, &rx, "planner metrics on http://");
+        let metrics = metrics.trim_end_matches("/metrics").to_string();
+        PlannerProc { child, metrics, rx, decisions: Vec::new() }
+    }
+
+    /// Takes the decisions printed since the last call.
+    pub fn poll(&mut self) -> &[serde_json::Value] {
+        while let Ok(line) = self.rx.try_recv() {
+            if let Ok(v) = serde_json::from_str(&line) {
+                self.decisions.push(v);
+            }
+        }
+        &self.decisions
+    }
+
+    /// SIGTERM, then waits up to `timeout` for the exit.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill").arg(self.child.id().to_string()).status();
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for PlannerProc {
+    fn drop(&mut self) {
+        // SIGTERM first: the planner stops the workers it started.
+        if self.terminate(Duration::from_secs(10)).is_none() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}

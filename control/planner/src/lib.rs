@@ -1,6 +1,15 @@
-//! kvx-planner: the SLA planner (load prediction, pool sizing, connectors) and `kvx configure`,
-//! the deployment settings of a host. Only [`configure`] is built; the planner is not yet.
+//! kvx-planner: the SLA planner — what it observes of a frontend ([`observe`]), load
+//! predictors ([`predict`]), pool sizing from a worker profile with guardrails ([`plan`]),
+//! the connectors that apply decisions ([`connector`]), one process's loop ([`driver`], [`service`]) — and `kvx configure`, the deployment
+//! settings of a host. The Kubernetes connector and sizing without a profile are not built
+//! yet.
 
 #![forbid(unsafe_code)]
 
 pub mod configure;
+pub mod connector;
+pub mod driver;
+pub mod observe;
+pub mod plan;
+pub mod predict;
+pub mod service;

@@ -1,5 +1,5 @@
 //! kvx-proto: plain data shared by every kvx crate — ids, token-block hashing, KV events, load
-//! reports, the request plane's messages, the worker planes' frame kinds and their versioned
+//! reports, workers' performance profiles, the request plane's messages, the worker planes' frame kinds and their versioned
 //! wire frames. No I/O, no async.
 
 #![forbid(unsafe_code)]
@@ -8,6 +8,7 @@ pub mod events;
 pub mod hashing;
 pub mod load;
 pub mod plane;
+pub mod profile;
 pub mod request;
 pub mod wire;
 

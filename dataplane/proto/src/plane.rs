@@ -238,6 +238,10 @@ pub struct Snapshot {
 pub struct Load {
     /// Load and counters.
     pub metrics: WorkerMetrics,
+    /// The worker is draining: it runs what it has and takes nothing new, so its frontend
+    /// takes it out of routing (absent, from older workers: not draining).
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// Liveness, both ways.
@@ -333,7 +337,10 @@ mod tests {
             lower: vec![(StorageTier::Disk, None, block)],
         };
         assert_eq!(round_trip(kind::SNAPSHOT, &s), s);
-        let l = Load { metrics: WorkerMetrics { prompt_tokens: 5, ..Default::default() } };
+        let l = Load {
+            metrics: WorkerMetrics { prompt_tokens: 5, ..Default::default() },
+            draining: true,
+        };
         assert_eq!(round_trip(kind::LOAD, &l), l);
         let h = Heartbeat { seq: 2 };
         assert_eq!(round_trip(kind::HEARTBEAT, &h), h);

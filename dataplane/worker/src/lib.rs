@@ -2,13 +2,15 @@
 //! (scheduler, block pool, KV cache, kernel thread pool) and a bounded inbox. Shards of one
 //! process share the read-only model weights (one mmap). [`setup`] turns one resolved
 //! configuration into a process's engines; [`remote`] serves a process's shards to a
-//! frontend over the TCP request and event planes; [`store`] finds and pulls model files.
+//! frontend over the TCP request and event planes; [`store`] finds and pulls model files;
+//! [`profile`] measures an engine for the SLA planner.
 
 #![forbid(unsafe_code)]
 
 pub use kvx_engine::eval;
 
 pub mod kvlink;
+pub mod profile;
 pub mod remote;
 pub mod setup;
 pub mod shard;

@@ -492,7 +492,7 @@ async fn session_loop(
     hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut load_tick = tokio::time::interval(cfg.load_interval);
     load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sent_loads: Vec<Option<(WorkerMetrics, Instant)>> = vec![None; ctx.shards.len()];
+    let mut sent_loads: Vec<Option<(WorkerMetrics, bool, Instant)>> = vec![None; ctx.shards.len()];
     let mut kv: Vec<KvEvent> = Vec::new();
     let mut hb_seq = 0u64;
     let end = loop {
@@ -586,17 +586,21 @@ fn event(e: ShardEvent, kv: &mut Vec<KvEvent>, buf: &mut Vec<u8>) {
     }
 }
 
-fn loads(ctx: &Ctx, sent: &mut [Option<(WorkerMetrics, Instant)>], buf: &mut Vec<u8>) {
+/// Each shard's load when it changed, the worker began draining, or a second passed.
+fn loads(ctx: &Ctx, sent: &mut [Option<(WorkerMetrics, bool, Instant)>], buf: &mut Vec<u8>) {
     let now = Instant::now();
+    let draining = ctx.draining();
     for (h, last) in ctx.shards.iter().zip(sent.iter_mut()) {
         let m = h.shard.status().metrics();
         let due = match last {
-            Some((prev, at)) => *prev != m || now.duration_since(*at) >= Duration::from_secs(1),
+            Some((prev, was, at)) => {
+                *prev != m || *was != draining || now.duration_since(*at) >= Duration::from_secs(1)
+            }
             None => true,
         };
         if due {
-            put(kind::LOAD, &Load { metrics: m }, buf);
-            *last = Some((m, now));
+            put(kind::LOAD, &Load { metrics: m, draining }, buf);
+            *last = Some((m, draining, now));
         }
     }
 }

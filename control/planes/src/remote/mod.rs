@@ -114,7 +114,7 @@ struct Worker {
     conn: u64,
     metrics: WorkerMetrics,
     role: WorkerRole,
-    /// Gone from discovery: out of routing, but what it runs goes on.
+    /// Gone from discovery or draining: out of routing, but what it runs goes on.
     retired: bool,
 }
 
@@ -342,10 +342,10 @@ impl State {
         }
     }
 
-    /// Takes a worker out of routing (gone from discovery): what it runs goes on.
+    /// Takes a worker out of routing (gone from discovery, or draining): what it runs goes on.
     fn retire(&mut self, w: WorkerId) {
         if self.workers.get(&w).is_some_and(|x| !x.retired) {
-            tracing::info!(worker = w, "gone from discovery: no new requests");
+            tracing::info!(worker = w, "draining or gone from discovery: no new requests");
             self.router_of(w).remove_worker(w);
             if let Some(x) = self.workers.get_mut(&w) {
                 x.retired = true;

@@ -283,6 +283,9 @@ fn apply(st: &mut State, shared: &Shared, conn: u64, u: Up, now: Duration) {
                 if let Some(x) = st.workers.get_mut(&w) {
                     x.metrics = l.metrics;
                 }
+                if l.draining {
+                    st.retire(w);
+                }
             }
         }
     }

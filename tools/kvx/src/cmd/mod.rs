@@ -23,6 +23,8 @@ mod frontend;
 mod generate;
 mod http_opts;
 mod model;
+mod planner;
+mod profile;
 mod router_opts;
 mod serve;
 mod worker;
@@ -71,6 +73,10 @@ pub(crate) enum Command {
     Configure(configure::ConfigureArgs),
     /// Measure the model in this process: log-likelihoods of continuations.
     Eval(eval::EvalArgs),
+    /// Measure one engine for the SLA planner: TTFT over prompt lengths, ITL over batch × context
+    Profile(Box<profile::ProfileArgs>),
+    /// The SLA planner: sizes the prefill and decode pools to TTFT/ITL targets from a profile
+    Planner(Box<planner::PlannerArgs>),
 }
 
 /// Settings every command shares, resolved once from the global flags.
@@ -119,6 +125,8 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         Command::Worker(a) => worker::run(*a, &rt),
         Command::Configure(a) => configure::run(a),
         Command::Eval(a) => eval::run(a, &rt),
+        Command::Profile(a) => profile::run(*a, &rt),
+        Command::Planner(a) => planner::run(*a),
     }
 }
 

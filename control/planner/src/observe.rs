@@ -1,0 +1,307 @@
+//! What the planner observes: a frontend's `/metrics` (Prometheus text) read into cumulative
+//! counters and histograms, and the difference of two reads as one interval's load and
+//! latencies — requests finished, mean prompt and output lengths, TTFT and ITL means and
+//! 90th percentiles (as PromQL's `histogram_quantile` computes them), workers up by role.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+/// A cumulative histogram: `(upper bound, count at or below it)` in ascending bounds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    /// Buckets, `+Inf` last.
+    pub buckets: Vec<(f64, f64)>,
+    /// Sum of the observations.
+    pub sum: f64,
+    /// Number of observations.
+    pub count: f64,
+}
+
+impl Histogram {
+    /// The histogram of what was observed between `earlier` and `self` (counters that went
+    /// down, as after a restart, count from zero).
+    pub fn since(&self, earlier: &Histogram) -> Histogram {
+        let reset = self.count < earlier.count;
+        let minus = |now: f64, then: f64| if reset { now } else { (now - then).max(0.0) };
+        let buckets = self
+            .buckets
+            .iter()
+            .map(|&(le, c)| {
+                let then = earlier.buckets.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1);
+                (le, minus(c, then))
+            })
+            .collect();
+        Histogram {
+            buckets,
+            sum: minus(self.sum, earlier.sum),
+            count: minus(self.count, earlier.count),
+        }
+    }
+
+    /// The mean, `None` when empty.
+    pub fn mean(&self) -> Option<f64> {
+        (self.count > 0.0).then(|| self.sum / self.count)
+    }
+
+    /// The `q` quantile, interpolated linearly inside its bucket (a quantile in the `+Inf`
+    /// bucket is the highest finite bound); `None` when empty.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        let total = self.buckets.last()?.1;
+        if total <= 0.0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * total;
+        let mut prev = (0.0, 0.0);
+        for &(le, c) in &self.buckets {
+            if c >= rank {
+                if le.is_infinite() {
+                    return Some(prev.0);
+                }
+                let width = c - prev.1;
+                let t = if width > 0.0 { (rank - prev.1) / width } else { 1.0 };
+                return Some(prev.0 + t * (le - prev.0));
+            }
+            prev = (le, c);
+        }
+        Some(prev.0)
+    }
+}
+
+/// One read of a frontend's metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sample {
+    /// Requests finished (every reason).
+    pub requests: f64,
+    /// Prompt tokens of the requests.
+    pub input_tokens: f64,
+    /// Output tokens.
+    pub output_tokens: f64,
+    /// Time to first token, seconds.
+    pub ttft: Histogram,
+    /// Inter-token latency, seconds.
+    pub itl: Histogram,
+    /// Workers up, by role (`agg`, `prefill`, `decode`).
+    pub workers: HashMap<String, u32>,
+}
+
+/// One interval's load and latencies.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Observation {
+    /// Requests finished in it.
+    pub requests: f64,
+    /// Mean prompt tokens of those requests (0 when none).
+    pub isl: f64,
+    /// Mean output tokens.
+    pub osl: f64,
+    /// TTFT mean and 90th percentile, milliseconds (`None` when nothing was measured).
+    pub ttft_mean_ms: Option<f64>,
+    /// TTFT p90, milliseconds.
+    pub ttft_p90_ms: Option<f64>,
+    /// ITL mean, milliseconds.
+    pub itl_mean_ms: Option<f64>,
+    /// ITL p90, milliseconds.
+    pub itl_p90_ms: Option<f64>,
+    /// Workers up at its end, by role.
+    pub workers: HashMap<String, u32>,
+}
+
+impl Sample {
+    /// Reads the Prometheus text format. Unknown series are ignored; a malformed line of a
+    /// series it reads is an error.
+    pub fn parse(text: &str) -> Result<Sample, String> {
+        let mut s = Sample::default();
+        let mut up: HashMap<String, bool> = HashMap::new();
+        let mut roles: Vec<(String, String)> = Vec::new();
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (series, value) = split_series(line).ok_or_else(|| format!("bad line {line:?}"))?;
+            let (name, labels) = match series.find('{') {
+                Some(i) => (&series[..i], &series[i..]),
+                None => (series, ""),
+            };
+            let wanted = matches!(
+                name,
+                "kvx_requests_finished_total"
+                    | "kvx_input_tokens_total"
+                    | "kvx_output_tokens_total"
+                    | "kvx_worker_up"
+                    | "kvx_worker_role"
+            ) || name.starts_with("kvx_time_to_first_token_seconds")
+                || name.starts_with("kvx_inter_token_latency_seconds");
+            if !wanted {
+                continue;
+            }
+            let v = parse_value(value).ok_or_else(|| format!("bad value in {line:?}"))?;
+            let label = |key: &str| label(labels, key);
+            match name {
+                "kvx_requests_finished_total" => s.requests += v,
+                "kvx_input_tokens_total" => s.input_tokens += v,
+                "kvx_output_tokens_total" => s.output_tokens += v,
+                "kvx_worker_up" => {
+                    if let Some(w) = label("worker") {
+                        up.insert(w, v > 0.0);
+                    }
+                }
+                "kvx_worker_role" => {
+                    if let (Some(w), Some(r), true) = (label("worker"), label("role"), v > 0.0) {
+                        roles.push((w, r));
+                    }
+                }
+                _ => {
+                    let (h, part) = if let Some(p) =
+                        name.strip_prefix("kvx_time_to_first_token_seconds")
+                    {
+                        (&mut s.ttft, p)
+                    } else if let Some(p) = name.strip_prefix("kvx_inter_token_latency_seconds") {
+                        (&mut s.itl, p)
+                    } else {
+                        continue;
+                    };
+                    match part {
+                        "_sum" => h.sum = v,
+                        "_count" => h.count = v,
+                        "_bucket" => {
+                            let le = label("le").and_then(|l| parse_value(&l));
+                            let le = le.ok_or_else(|| format!("bucket without le in {line:?}"))?;
+                            h.buckets.push((le, v));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        for h in [&mut s.ttft, &mut s.itl] {
+            h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        for (w, r) in roles {
+            if up.get(&w).copied().unwrap_or(false) {
+                *s.workers.entry(r).or_default() += 1;
+            }
+        }
+        Ok(s)
+    }
+
+    /// The interval from `earlier` to `self`.
+    pub fn since(&self, earlier: &Sample) -> Observation {
+        let d = |now: f64, then: f64| if now < then { now } else { now - then };
+        let requests = d(self.requests, earlier.requests);
+        let per = |t: f64| if requests > 0.0 { t / requests } else { 0.0 };
+        let ttft = self.ttft.since(&earlier.ttft);
+        let itl = self.itl.since(&earlier.itl);
+        let ms = |v: Option<f64>| v.map(|s| s * 1e3);
+        Observation {
+            requests,
+            isl: per(d(self.input_tokens, earlier.input_tokens)),
+            osl: per(d(self.output_tokens, earlier.output_tokens)),
+            ttft_mean_ms: ms(ttft.mean()),
+            ttft_p90_ms: ms(ttft.quantile(0.9)),
+            itl_mean_ms: ms(itl.mean()),
+            itl_p90_ms: ms(itl.quantile(0.9)),
+            workers: self.workers.clone(),
+        }
+    }
+}
+
+/// `name{labels} value [timestamp]` into the series and the value.
+fn split_series(line: &str) -> Option<(&str, &str)> {
+    let end = match line.find('{') {
+        Some(open) => open + line[open..].find('}')? + 1,
+        None => line.find(char::is_whitespace)?,
+    };
+    let value = line[end..].split_whitespace().next()?;
+    Some((&line[..end], value))
+}
+
+fn parse_value(v: &str) -> Option<f64> {
+    match v {
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        _ => v.parse().ok(),
+    }
+}
+
+/// The value of `key` in `{a="x",b="y"}` (no escapes inside values are needed for ours).
+fn label(labels: &str, key: &str) -> Option<String> {
+    let inner = labels.strip_prefix('{')?.strip_suffix('}')?;
+    inner.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"').to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(finished: u32, input: u32, ttft: [u32; 3], ttft_sum: f64) -> String {
+        format!(
+            "# TYPE kvx_requests_finished_total counter\n\
+             kvx_requests_finished_total{{reason=\"length\"}} {finished}\n\
+             kvx_requests_finished_total{{reason=\"stop\"}} 0\n\
+             kvx_input_tokens_total {input}\nkvx_output_tokens_total {}\n\
+             kvx_time_to_first_token_seconds_bucket{{le=\"0.1\"}} {}\n\
+             kvx_time_to_first_token_seconds_bucket{{le=\"0.5\"}} {}\n\
+             kvx_time_to_first_token_seconds_bucket{{le=\"+Inf\"}} {}\n\
+             kvx_time_to_first_token_seconds_sum {ttft_sum}\n\
+             kvx_time_to_first_token_seconds_count {}\n\
+             kvx_worker_up{{worker=\"1\"}} 1\nkvx_worker_up{{worker=\"2\"}} 0\nkvx_worker_up{{worker=\"3\"}} 1\n\
+             kvx_worker_role{{worker=\"1\",role=\"prefill\"}} 1\n\
+             kvx_worker_role{{worker=\"2\",role=\"decode\"}} 1\n\
+             kvx_worker_role{{worker=\"3\",role=\"decode\"}} 1\n\
+             kvx_unrelated{{a=\"b\"}} 5 1700000000\n",
+            finished * 10,
+            ttft[0],
+            ttft[1],
+            ttft[2],
+            ttft[2]
+        )
+    }
+
+    #[test]
+    fn an_interval_is_the_difference_of_two_reads() {
+        let a = Sample::parse(&text(10, 1000, [5, 10, 10], 1.0)).unwrap();
+        let b = Sample::parse(&text(30, 5000, [5, 28, 30], 6.0)).unwrap();
+        assert_eq!(b.workers.get("decode"), Some(&1), "worker 2 is down");
+        assert_eq!(b.workers.get("prefill"), Some(&1));
+        let o = b.since(&a);
+        assert_eq!(o.requests, 20.0);
+        assert_eq!(o.isl, 200.0);
+        assert_eq!(o.osl, 10.0);
+        assert!((o.ttft_mean_ms.unwrap() - 250.0).abs() < 1e-9);
+        // 20 new TTFTs: 0 under 0.1 s, 18 in (0.1, 0.5], 2 above. p90 = rank 18 = 0.5 s.
+        assert!((o.ttft_p90_ms.unwrap() - 500.0).abs() < 1e-9);
+        assert_eq!(o.itl_mean_ms, None, "no ITL series");
+    }
+
+    #[test]
+    fn quantiles_follow_histogram_quantile() {
+        let h = Histogram {
+            buckets: vec![(0.1, 10.0), (0.2, 30.0), (f64::INFINITY, 40.0)],
+            sum: 0.0,
+            count: 40.0,
+        };
+        assert!((h.quantile(0.5).unwrap() - 0.15).abs() < 1e-12);
+        assert!((h.quantile(0.25).unwrap() - 0.1).abs() < 1e-12);
+        assert!((h.quantile(0.125).unwrap() - 0.05).abs() < 1e-12);
+        assert_eq!(h.quantile(0.9), Some(0.2), "in +Inf: the highest finite bound");
+        assert_eq!(Histogram::default().quantile(0.5), None);
+    }
+
+    #[test]
+    fn restarts_count_from_zero_and_bad_lines_are_errors() {
+        let a = Sample::parse(&text(50, 9000, [5, 10, 10], 9.0)).unwrap();
+        let b = Sample::parse(&text(5, 500, [1, 2, 2], 0.4)).unwrap();
+        let o = b.since(&a);
+        assert_eq!(o.requests, 5.0);
+        assert_eq!(o.isl, 100.0);
+        assert!((o.ttft_mean_ms.unwrap() - 200.0).abs() < 1e-9);
+        assert!(Sample::parse("kvx_input_tokens_total x\n").is_err());
+        assert!(Sample::parse("kvx_time_to_first_token_seconds_bucket 3\n").is_err());
+        assert!(Sample::parse("some_other_metric{unterminated 1\n").is_err());
+        assert_eq!(Sample::parse("").unwrap(), Sample::default());
+    }
+}

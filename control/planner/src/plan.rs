@@ -1,0 +1,474 @@
+//! The SLA planner's decision: from an interval's observation, the predicted next interval
+//! (request rate, prompt and output lengths) and a worker profile, how many prefill and
+//! decode workers meet the TTFT and ITL targets — then the guardrails (bounds per pool, no
+//! change while one is under way, scale-down only after a cooldown) and a one-line reason.
+//!
+//! Prefill: a worker prefills `isl / ttft(isl)` prompt tokens per second (the profile); at
+//! utilisation ρ a prompt's TTFT is modelled as `ttft(isl) / (1 − ρ)` (queueing in front of
+//! one server), times the correction measured/expected of the last interval. The largest ρ
+//! that keeps that within the TTFT target sets the tokens per second each worker may take.
+//! Decode: the ITL target over the correction measured/expected ITL (expected: the profile's
+//! ITL at the batch each worker held, by Little's law) bounds the batch; the profile's best
+//! output tokens per second within it, at a context of `isl + osl/2`, sets each worker's
+//! share of the predicted output tokens per second.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use kvx_proto::profile::Profile;
+use serde::Serialize;
+
+use crate::observe::Observation;
+use crate::predict::{Predictor, PredictorKind};
+
+/// Latency targets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Targets {
+    /// Time to first token, 90th percentile, milliseconds.
+    pub ttft_ms: f64,
+    /// Inter-token latency, 90th percentile, milliseconds.
+    pub itl_ms: f64,
+}
+
+/// Bounds on a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// Fewest workers.
+    pub min: u32,
+    /// Most workers.
+    pub max: u32,
+}
+
+/// Worker counts of the two pools.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Replicas {
+    /// Prefill workers.
+    pub prefill: u32,
+    /// Decode workers.
+    pub decode: u32,
+}
+
+/// The planner's settings.
+#[derive(Debug, Clone)]
+pub struct PlannerConfig {
+    /// Seconds between decisions.
+    pub interval: Duration,
+    /// Latency targets.
+    pub targets: Targets,
+    /// Prefill pool bounds.
+    pub prefill: Bounds,
+    /// Decode pool bounds.
+    pub decode: Bounds,
+    /// Predictor of request count, prompt and output length.
+    pub predictor: PredictorKind,
+    /// A pool is not scaled down within this long of its last change.
+    pub cooldown: Duration,
+    /// The most a correction factor may be (and one over the least).
+    pub max_correction: f64,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            interval: Duration::from_secs(60),
+            targets: Targets { ttft_ms: 500.0, itl_ms: 50.0 },
+            prefill: Bounds { min: 1, max: 8 },
+            decode: Bounds { min: 1, max: 8 },
+            predictor: PredictorKind::Holt { alpha: 0.5, beta: 0.3 },
+            cooldown: Duration::from_secs(120),
+            max_correction: 4.0,
+        }
+    }
+}
+
+/// Settings that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// Bounds, targets or intervals out of range.
+    #[error("planner: {0}")]
+    Invalid(String),
+    /// The profile is unusable.
+    #[error(transparent)]
+    Profile(#[from] kvx_proto::profile::ProfileError),
+}
+
+impl PlannerConfig {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let bad = |m: String| Err(PlanError::Invalid(m));
+        for (name, b) in [("prefill", self.prefill), ("decode", self.decode)] {
+            if b.min > b.max || b.max == 0 {
+                return bad(format!("{name} pool bounds {}..{} are empty", b.min, b.max));
+            }
+        }
+        let t = self.targets;
+        if !(t.ttft_ms > 0.0 && t.itl_ms > 0.0 && t.ttft_ms.is_finite() && t.itl_ms.is_finite()) {
+            return bad("the TTFT and ITL targets must be positive".into());
+        }
+        if self.interval.is_zero() {
+            return bad("the interval must be positive".into());
+        }
+        if self.max_correction.is_nan() || self.max_correction < 1.0 {
+            return bad("the correction bound must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The predicted next interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Load {
+    /// Requests per second.
+    pub requests_per_s: f64,
+    /// Mean prompt tokens.
+    pub isl: f64,
+    /// Mean output tokens.
+    pub osl: f64,
+}
+
+/// One decision.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Decision {
+    /// Its number, from 1.
+    pub id: u64,
+    /// What was measured.
+    pub observed: Observation,
+    /// What the predictors expect next.
+    pub predicted: Load,
+    /// Measured / expected TTFT and ITL of the last interval (1 when unknown).
+    pub corrections: (f64, f64),
+    /// The TTFT and ITL (p90, ms) the target replicas are expected to give.
+    pub expected_ttft_ms: f64,
+    /// Expected ITL at the target replicas.
+    pub expected_itl_ms: f64,
+    /// What the load asks for, within the pools' bounds.
+    pub desired: Replicas,
+    /// What is applied after the guardrails.
+    pub target: Replicas,
+    /// What ran when it was made.
+    pub actual: Replicas,
+    /// One line on why.
+    pub reason: String,
+}
+
+/// The planner's state between intervals.
+#[derive(Debug)]
+pub struct Planner {
+    cfg: PlannerConfig,
+    profile: Profile,
+    requests: Predictor,
+    isl: Predictor,
+    osl: Predictor,
+    /// The last targets applied, and when each pool last changed (seconds on the caller's
+    /// clock).
+    last: Option<Replicas>,
+    changed_at: [Option<f64>; 2],
+    decisions: u64,
+}
+
+impl Planner {
+    /// A planner over workers described by `profile`.
+    pub fn new(cfg: PlannerConfig, profile: Profile) -> Result<Self, PlanError> {
+        cfg.validate()?;
+        profile.validate()?;
+        let p = cfg.predictor;
+        Ok(Planner {
+            cfg,
+            profile,
+            requests: p.build(),
+            isl: p.build(),
+            osl: p.build(),
+            last: None,
+            changed_at: [None, None],
+            decisions: 0,
+        })
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.cfg
+    }
+
+    /// Decides the pools for the next interval. `now_s` is the caller's clock in seconds,
+    /// `actual` the workers running now (a pool whose count differs from the last target is
+    /// still changing: it is held).
+    pub fn decide(&mut self, now_s: f64, obs: &Observation, actual: Replicas) -> Decision {
+        self.decisions += 1;
+        let secs = self.cfg.interval.as_secs_f64();
+        self.requests.observe(obs.requests);
+        if obs.requests > 0.0 {
+            self.isl.observe(obs.isl);
+            self.osl.observe(obs.osl);
+        }
+        let predicted = Load {
+            requests_per_s: self.requests.predict() / secs,
+            isl: self.isl.predict(),
+            osl: self.osl.predict(),
+        };
+        let t = self.cfg.targets;
+        let clamp_corr = |c: f64| c.clamp(1.0 / self.cfg.max_correction, self.cfg.max_correction);
+        let rate_now = obs.requests / secs;
+
+        // Prefill: the correction compares the measured TTFT with the model at the measured
+        // utilisation.
+        let t0 = |isl: f64| self.profile.ttft_ms(isl);
+        let cap = |isl: f64| self.profile.prefill_tok_s(isl);
+        let p_corr = match (obs.ttft_p90_ms, actual.prefill) {
+            (Some(m), n) if n > 0 && obs.requests > 0.0 && obs.isl > 0.0 => {
+                let rho = (rate_now * obs.isl / (f64::from(n) * cap(obs.isl))).min(0.95);
+                clamp_corr(m / (t0(obs.isl) / (1.0 - rho)))
+            }
+            _ => 1.0,
+        };
+        let idle = t0(predicted.isl) * p_corr;
+        let rho_max = (1.0 - idle / t.ttft_ms).clamp(0.05, 0.95);
+        let prompt_tok_s = predicted.requests_per_s * predicted.isl;
+        let want_p = (prompt_tok_s / (cap(predicted.isl) * rho_max)).ceil();
+
+        // Decode: the correction compares the measured ITL with the profile at the batch
+        // each worker held (Little's law: requests × output tokens × ITL).
+        let ctx = predicted.isl + predicted.osl / 2.0;
+        let d_corr = match (obs.itl_p90_ms, actual.decode) {
+            (Some(m), n) if n > 0 && obs.requests > 0.0 => {
+                let batch = (rate_now * obs.osl * m / 1e3 / f64::from(n)).max(1.0);
+                clamp_corr(m / self.profile.itl_ms(batch, obs.isl + obs.osl / 2.0))
+            }
+            _ => 1.0,
+        };
+        let itl_budget = t.itl_ms / d_corr;
+        let out_tok_s = predicted.requests_per_s * predicted.osl;
+        let (want_d, per_decode) = match self.profile.decode_capacity(ctx, itl_budget) {
+            Some((tok_s, _)) => ((out_tok_s / tok_s).ceil(), Some(tok_s)),
+            // Even one sequence is slower than the budget: as many workers as allowed.
+            None => (f64::from(self.cfg.decode.max), None),
+        };
+        let bound = |want: f64, b: Bounds| {
+            (want.max(0.0).min(f64::from(u32::MAX)) as u32).clamp(b.min, b.max)
+        };
+        let desired = Replicas {
+            prefill: bound(want_p, self.cfg.prefill),
+            decode: bound(want_d, self.cfg.decode),
+        };
+
+        // Guardrails.
+        let mut reason = String::new();
+        let last = self.last.unwrap_or(actual);
+        let mut target = last;
+        let pools = [
+            ("prefill", desired.prefill, last.prefill, actual.prefill),
+            ("decode", desired.decode, last.decode, actual.decode),
+        ];
+        for (i, (name, want, was, now)) in pools.into_iter().enumerate() {
+            let slot = if i == 0 { &mut target.prefill } else { &mut target.decode };
+            if want == was {
+                continue;
+            }
+            if now != was && self.last.is_some() {
+                let _ =
+                    write!(reason, "{name} held at {was} ({now} running: a change is under way); ");
+                continue;
+            }
+            let cooling =
+                self.changed_at[i].is_some_and(|at| now_s - at < self.cfg.cooldown.as_secs_f64());
+            if want < was && cooling {
+                let _ = write!(reason, "{name} stays {was} (cooldown after its last change); ");
+                continue;
+            }
+            let _ = write!(reason, "{name} {was}→{want}; ");
+            *slot = want;
+            self.changed_at[i] = Some(now_s);
+        }
+        self.last = Some(target);
+
+        // What the target is expected to give.
+        let rho = if target.prefill > 0 {
+            (prompt_tok_s / (f64::from(target.prefill) * cap(predicted.isl))).min(0.99)
+        } else {
+            0.99
+        };
+        let expected_ttft_ms = idle / (1.0 - rho);
+        // The batch each decode worker holds at the target, by Little's law (sequences = rate
+        // × output tokens × ITL at that batch), found by iterating to its fixed point.
+        let max_batch = f64::from(*self.profile.batches().last().unwrap_or(&1));
+        let mut batch = 1.0;
+        if target.decode > 0 {
+            let per = predicted.requests_per_s * predicted.osl / 1e3 / f64::from(target.decode);
+            for _ in 0..64 {
+                let next =
+                    (per * self.profile.itl_ms(batch, ctx) * d_corr).clamp(1.0, 4.0 * max_batch);
+                if (next - batch).abs() < 1e-3 {
+                    break;
+                }
+                batch = next;
+            }
+        }
+        let expected_itl_ms = self.profile.itl_ms(batch, ctx) * d_corr;
+        if reason.is_empty() {
+            reason.push_str("no change; ");
+        }
+        let _ = write!(
+            reason,
+            "next {:.2} req/s × {:.0} prompt / {:.0} output tokens ({}): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured)",
+            predicted.requests_per_s,
+            predicted.isl,
+            predicted.osl,
+            self.cfg.predictor,
+            prompt_tok_s,
+            cap(predicted.isl),
+            rho_max,
+            t0(predicted.isl),
+            p_corr,
+            out_tok_s,
+            per_decode.map_or("none (one sequence is too slow)".to_string(), |v| format!("{v:.0}")),
+            itl_budget,
+            d_corr,
+        );
+        Decision {
+            id: self.decisions,
+            observed: obs.clone(),
+            predicted,
+            corrections: (p_corr, d_corr),
+            expected_ttft_ms,
+            expected_itl_ms,
+            desired,
+            target,
+            actual,
+            reason,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvx_proto::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, WorkerShape};
+
+    /// Prefill: 10 ms + 0.05 ms per token; decode: 10 ms + 1 ms per sequence.
+    fn profile() -> Profile {
+        let shape = WorkerShape {
+            engine: "mocker".into(),
+            role: "agg".into(),
+            shards: 1,
+            threads_per_shard: 1,
+            simd: "none".into(),
+            model: "test".into(),
+            block_size: 16,
+            kv_blocks: 4096,
+            max_batched_tokens: 4096,
+            cpu: "test".into(),
+        };
+        let prefill = [500, 1000, 2000, 4000]
+            .map(|isl| {
+                let ttft_ms = 10.0 + 0.05 * f64::from(isl);
+                PrefillPoint { isl, ttft_ms, tok_s: f64::from(isl) / ttft_ms * 1e3 }
+            })
+            .to_vec();
+        let mut decode = Vec::new();
+        for context in [512, 4096] {
+            for batch in [1, 16, 64] {
+                let itl_ms = 10.0 + f64::from(batch);
+                decode.push(DecodePoint {
+                    batch,
+                    context,
+                    itl_ms,
+                    tok_s: f64::from(batch) / itl_ms * 1e3,
+                });
+            }
+        }
+        Profile { version: PROFILE_VERSION, shape, reps: 1, prefill, decode }
+    }
+
+    fn cfg() -> PlannerConfig {
+        PlannerConfig {
+            interval: Duration::from_secs(10),
+            targets: Targets { ttft_ms: 500.0, itl_ms: 50.0 },
+            prefill: Bounds { min: 1, max: 32 },
+            decode: Bounds { min: 1, max: 32 },
+            predictor: PredictorKind::Constant,
+            cooldown: Duration::from_secs(30),
+            max_correction: 4.0,
+        }
+    }
+
+    fn obs(rate: f64, ttft: f64, itl: f64) -> Observation {
+        Observation {
+            requests: rate * 10.0,
+            isl: 2000.0,
+            osl: 200.0,
+            ttft_mean_ms: Some(ttft),
+            ttft_p90_ms: Some(ttft),
+            itl_mean_ms: Some(itl),
+            itl_p90_ms: Some(itl),
+            workers: Default::default(),
+        }
+    }
+
+    #[test]
+    fn pools_follow_the_load_as_the_profile_says() {
+        let mut p = Planner::new(cfg(), profile()).unwrap();
+        // 10 req/s × 2000 tokens = 20,000 prompt tok/s; a worker prefills 2000 tokens in
+        // 110 ms (18,182 tok/s) and may run at ρ ≤ 1 − 110/500 = 0.78 → 14,182 → 2 workers.
+        // Decode: 2,000 output tok/s; within 50 ms a worker runs batch 40 → 800 tok/s → 3.
+        // The measured latencies are what the model expects at 2 + 4 workers (ρ = 0.55;
+        // batch 20 per decode worker), so there is no correction.
+        let ttft = 110.0 / (1.0 - 20_000.0 / 36_363.636_36);
+        let d = p.decide(0.0, &obs(10.0, ttft, 20.0), Replicas { prefill: 2, decode: 4 });
+        assert!(
+            (d.corrections.0 - 1.0).abs() < 1e-6 && (d.corrections.1 - 1.0).abs() < 1e-6,
+            "{d:?}"
+        );
+        assert_eq!(d.desired, Replicas { prefill: 2, decode: 3 }, "{}", d.reason);
+        assert_eq!(d.target, d.desired);
+        assert!(d.reason.starts_with("decode 4→3; next 10.00 req/s"), "{}", d.reason);
+        // 3 decode workers: batch b = 2000 × (10 + b) / 1000 / 3 → 20, ITL 30 ms.
+        assert!((d.expected_itl_ms - 30.0).abs() < 0.01, "{d:?}");
+        assert!((d.expected_ttft_ms - ttft).abs() < 0.01, "{d:?}");
+        // No load: back to the minimum; the decode pool only after its cooldown.
+        let d = p.decide(10.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 3 });
+        assert_eq!(d.desired, Replicas { prefill: 1, decode: 1 });
+        assert_eq!(d.target, Replicas { prefill: 1, decode: 3 }, "{}", d.reason);
+        assert!(d.reason.contains("decode stays 3 (cooldown"), "{}", d.reason);
+        let d = p.decide(40.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 1, decode: 3 });
+        assert_eq!(d.target, Replicas { prefill: 1, decode: 1 }, "{}", d.reason);
+    }
+
+    #[test]
+    fn a_change_under_way_is_held_and_slow_measurements_add_workers() {
+        let ttft = 110.0 / (1.0 - 20_000.0 / 36_363.636_36);
+        let now = Replicas { prefill: 2, decode: 4 };
+        let mut p = Planner::new(cfg(), profile()).unwrap();
+        let d = p.decide(0.0, &obs(10.0, ttft, 20.0), now);
+        assert_eq!(d.target.decode, 3);
+        // Twice the load while four decode workers still run: the pool is held at 3.
+        let d = p.decide(10.0, &obs(20.0, ttft, 20.0), now);
+        assert!(d.desired.decode > 4, "{d:?}");
+        assert_eq!(d.target.decode, 3, "{}", d.reason);
+        assert!(d.reason.contains("decode held at 3 (4 running"), "{}", d.reason);
+        // ITL measured at 150 ms where the profile says 85 (batch 75 per worker): the budget
+        // shrinks by that factor and more decode workers are asked for than at 20 ms.
+        let mut q = Planner::new(cfg(), profile()).unwrap();
+        let slow = q.decide(0.0, &obs(10.0, ttft, 150.0), now);
+        assert!((slow.corrections.1 - 150.0 / 85.0).abs() < 1e-6, "{slow:?}");
+        assert_eq!(slow.desired.decode, 4, "{}", slow.reason);
+    }
+
+    #[test]
+    fn bounds_and_settings() {
+        let mut c = cfg();
+        c.prefill = Bounds { min: 2, max: 3 };
+        let mut p = Planner::new(c.clone(), profile()).unwrap();
+        let d = p.decide(0.0, &obs(100.0, 200.0, 30.0), Replicas { prefill: 2, decode: 1 });
+        assert_eq!(d.desired.prefill, 3);
+        let mut fresh = Planner::new(c.clone(), profile()).unwrap();
+        let d2 = fresh.decide(0.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 1 });
+        assert_eq!(d2.desired.prefill, 2);
+        c.decode = Bounds { min: 3, max: 2 };
+        assert!(Planner::new(c, profile()).is_err());
+        let mut c = cfg();
+        c.targets.itl_ms = 0.0;
+        assert!(Planner::new(c, profile()).is_err());
+        let mut bad = profile();
+        bad.decode.pop();
+        assert!(matches!(Planner::new(cfg(), bad), Err(PlanError::Profile(_))));
+    }
+}

@@ -1,0 +1,277 @@
+//! Load predictors: the next interval's request count, prompt length or output length from
+//! the intervals seen so far — the last value (`constant`), a moving average, Holt's linear
+//! trend (double exponential smoothing) or a Kalman filter over a local linear trend.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::str::FromStr;
+
+/// Which predictor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PredictorKind {
+    /// The next value is the last one.
+    Constant,
+    /// The mean of the last `window` values.
+    MovingAverage {
+        /// Values averaged.
+        window: usize,
+    },
+    /// Holt's linear trend: a smoothed level and a smoothed slope, one step ahead.
+    Holt {
+        /// Level smoothing, in (0, 1].
+        alpha: f64,
+        /// Trend smoothing, in (0, 1].
+        beta: f64,
+    },
+    /// A Kalman filter on a local linear trend (level and slope as a random walk).
+    Kalman {
+        /// Variance of the level's and the slope's steps, relative to the observation noise.
+        q: f64,
+    },
+}
+
+impl PredictorKind {
+    /// A predictor of this kind with no history.
+    pub fn build(self) -> Predictor {
+        Predictor { kind: self, state: State::default() }
+    }
+}
+
+impl fmt::Display for PredictorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Constant => write!(f, "constant"),
+            Self::MovingAverage { window } => write!(f, "moving-average:{window}"),
+            Self::Holt { alpha, beta } => write!(f, "holt:{alpha}:{beta}"),
+            Self::Kalman { q } => write!(f, "kalman:{q}"),
+        }
+    }
+}
+
+/// A predictor name that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown predictor {0:?}: constant, moving-average[:WINDOW], holt[:ALPHA:BETA] or kalman[:Q]"
+)]
+pub struct BadPredictor(String);
+
+impl FromStr for PredictorKind {
+    type Err = BadPredictor;
+
+    /// `constant`, `moving-average[:WINDOW]` (default 5), `holt[:ALPHA:BETA]` (default
+    /// 0.5:0.3), `kalman[:Q]` (default 0.1).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || BadPredictor(s.to_string());
+        let mut it = s.split(':');
+        let name = it.next().unwrap_or_default();
+        let mut num = |default: f64| -> Result<f64, BadPredictor> {
+            match it.next() {
+                None => Ok(default),
+                Some(v) => v.parse::<f64>().ok().filter(|v| v.is_finite()).ok_or_else(bad),
+            }
+        };
+        let kind = match name {
+            "constant" => Self::Constant,
+            "moving-average" => {
+                let w = num(5.0)?;
+                if !(1.0..=10_000.0).contains(&w) || w.fract() != 0.0 {
+                    return Err(bad());
+                }
+                Self::MovingAverage { window: w as usize }
+            }
+            "holt" => {
+                let (alpha, beta) = (num(0.5)?, num(0.3)?);
+                if !(alpha > 0.0 && alpha <= 1.0 && beta > 0.0 && beta <= 1.0) {
+                    return Err(bad());
+                }
+                Self::Holt { alpha, beta }
+            }
+            "kalman" => {
+                let q = num(0.1)?;
+                if q <= 0.0 {
+                    return Err(bad());
+                }
+                Self::Kalman { q }
+            }
+            _ => return Err(bad()),
+        };
+        if it.next().is_some() {
+            return Err(bad());
+        }
+        Ok(kind)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct State {
+    /// Values seen (the moving average's window; the constant's last value).
+    recent: VecDeque<f64>,
+    /// Level and slope (Holt, Kalman).
+    level: f64,
+    slope: f64,
+    /// The Kalman filter's state covariance.
+    p: [[f64; 2]; 2],
+    seen: u64,
+}
+
+/// A predictor and its history.
+#[derive(Debug, Clone)]
+pub struct Predictor {
+    kind: PredictorKind,
+    state: State,
+}
+
+impl Predictor {
+    /// Its kind.
+    pub fn kind(&self) -> PredictorKind {
+        self.kind
+    }
+
+    /// Values observed so far.
+    pub fn seen(&self) -> u64 {
+        self.state.seen
+    }
+
+    /// Takes one interval's value (non-finite values are ignored).
+    pub fn observe(&mut self, x: f64) {
+        if !x.is_finite() {
+            return;
+        }
+        let s = &mut self.state;
+        s.seen += 1;
+        match self.kind {
+            PredictorKind::Constant => {
+                s.recent.clear();
+                s.recent.push_back(x);
+            }
+            PredictorKind::MovingAverage { window } => {
+                s.recent.push_back(x);
+                while s.recent.len() > window.max(1) {
+                    s.recent.pop_front();
+                }
+            }
+            PredictorKind::Holt { alpha, beta } => match s.seen {
+                1 => (s.level, s.slope) = (x, 0.0),
+                2 => (s.level, s.slope) = (x, x - s.level),
+                _ => {
+                    let prev = s.level;
+                    s.level = alpha * x + (1.0 - alpha) * (s.level + s.slope);
+                    s.slope = beta * (s.level - prev) + (1.0 - beta) * s.slope;
+                }
+            },
+            PredictorKind::Kalman { q } => {
+                if s.seen == 1 {
+                    s.level = x;
+                    s.slope = 0.0;
+                    // Unsure of the slope at first, sure of the level.
+                    s.p = [[1.0, 0.0], [0.0, 1.0]];
+                    return;
+                }
+                // Predict: level += slope; P = F P F' + Q (observation noise R = 1, so q is
+                // the steps' variance relative to it; values are scaled by the level).
+                let scale = s.level.abs().max(1.0);
+                let (q, r) = (q * scale * scale, scale * scale);
+                let [[p00, p01], [p10, p11]] = s.p;
+                let (l, v) = (s.level + s.slope, s.slope);
+                let a00 = p00 + p01 + p10 + p11 + q;
+                let a01 = p01 + p11;
+                let a10 = p10 + p11;
+                let a11 = p11 + q;
+                // Update with the observed level.
+                let k0 = a00 / (a00 + r);
+                let k1 = a10 / (a00 + r);
+                let e = x - l;
+                s.level = l + k0 * e;
+                s.slope = v + k1 * e;
+                s.p = [[(1.0 - k0) * a00, (1.0 - k0) * a01], [a10 - k1 * a00, a11 - k1 * a01]];
+            }
+        }
+    }
+
+    /// The next interval's value (0 before anything is seen; never negative).
+    pub fn predict(&self) -> f64 {
+        let s = &self.state;
+        if s.seen == 0 {
+            return 0.0;
+        }
+        let v = match self.kind {
+            PredictorKind::Constant => s.recent.back().copied().unwrap_or(0.0),
+            PredictorKind::MovingAverage { .. } => {
+                s.recent.iter().sum::<f64>() / s.recent.len().max(1) as f64
+            }
+            PredictorKind::Holt { .. } | PredictorKind::Kalman { .. } => s.level + s.slope,
+        };
+        v.max(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(kind: &str, xs: &[f64]) -> f64 {
+        let mut p = kind.parse::<PredictorKind>().unwrap().build();
+        for &x in xs {
+            p.observe(x);
+        }
+        p.predict()
+    }
+
+    #[test]
+    fn names_parse_with_their_parameters_and_bad_ones_are_refused() {
+        assert_eq!("constant".parse(), Ok(PredictorKind::Constant));
+        assert_eq!("moving-average:3".parse(), Ok(PredictorKind::MovingAverage { window: 3 }));
+        assert_eq!("holt".parse(), Ok(PredictorKind::Holt { alpha: 0.5, beta: 0.3 }));
+        assert_eq!("kalman:0.5".parse(), Ok(PredictorKind::Kalman { q: 0.5 }));
+        for bad in [
+            "",
+            "arima",
+            "holt:0",
+            "holt:1.5:0.1",
+            "moving-average:0",
+            "moving-average:2.5",
+            "kalman:-1",
+            "constant:1",
+            "kalman:nan",
+        ] {
+            assert!(bad.parse::<PredictorKind>().is_err(), "{bad}");
+        }
+        let k: PredictorKind = "holt:0.4:0.2".parse().unwrap();
+        assert_eq!(k.to_string().parse::<PredictorKind>().unwrap(), k);
+    }
+
+    #[test]
+    fn constant_and_moving_average() {
+        assert_eq!(run("constant", &[]), 0.0);
+        assert_eq!(run("constant", &[3.0, 9.0]), 9.0);
+        assert_eq!(run("moving-average:2", &[1.0, 3.0, 5.0]), 4.0);
+        assert_eq!(run("moving-average:5", &[2.0, f64::NAN, 4.0]), 3.0, "NaN is skipped");
+    }
+
+    #[test]
+    fn trend_predictors_follow_a_ramp_and_settle_on_a_level() {
+        let ramp: Vec<f64> = (0..20).map(|i| 10.0 + 2.0 * f64::from(i)).collect();
+        // The next value of the ramp is 50; the constant predictor lags by a step.
+        assert_eq!(run("constant", &ramp), 48.0);
+        for k in ["holt", "kalman:0.1"] {
+            let v = run(k, &ramp);
+            assert!((v - 50.0).abs() < 0.5, "{k}: {v}");
+        }
+        let flat = [7.0; 30];
+        for k in ["holt", "kalman:0.1", "moving-average"] {
+            assert!((run(k, &flat) - 7.0).abs() < 1e-6, "{k}");
+        }
+        // A fall below zero is predicted as zero.
+        let fall: Vec<f64> = (0..10).map(|i| 20.0 - 5.0 * f64::from(i)).collect();
+        assert_eq!(run("holt", &fall), 0.0);
+    }
+
+    #[test]
+    fn kalman_smooths_noise_better_than_the_last_value() {
+        // A level of 100 with alternating noise of ±20: the last value is off by 20.
+        let xs: Vec<f64> = (0..40).map(|i| if i % 2 == 0 { 120.0 } else { 80.0 }).collect();
+        let k = run("kalman:0.01", &xs);
+        assert!((k - 100.0).abs() < 15.0, "{k}");
+        assert!((run("constant", &xs) - 100.0).abs() >= 20.0);
+    }
+}

@@ -1,0 +1,151 @@
+//! `kvx planner` as a process: every interval it reads the frontend's `/metrics` over HTTP,
+//! ticks the [`Driver`], writes each decision as one JSON line (stdout and, when asked, a
+//! file), and serves its own metrics at `/metrics`.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Bytes;
+
+use crate::driver::Driver;
+
+/// Why the planner stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// A socket or file failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The frontend's address is not `host:port` or `http://host:port`.
+    #[error("frontend address {0:?}: give host:port or http://host:port")]
+    Address(String),
+}
+
+/// The process's settings.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// The frontend (`http://host:port`).
+    pub frontend: String,
+    /// Seconds between ticks.
+    pub interval: Duration,
+    /// Where the planner's own `/metrics` listens.
+    pub metrics_listen: SocketAddr,
+    /// A file that gets every decision as a JSON line.
+    pub decisions: Option<PathBuf>,
+    /// Stop after this many decisions.
+    pub ticks: Option<u64>,
+}
+
+/// The frontend's metrics, at most 16 MiB of them.
+async fn fetch(authority: &str) -> Result<String, String> {
+    let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| e.to_string())?;
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = hyper::Request::get("/metrics")
+        .header(hyper::header::HOST, authority)
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| e.to_string())?;
+    let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("HTTP {}", resp.status()));
+    }
+    let body =
+        Limited::new(resp.into_body(), 16 << 20).collect().await.map_err(|e| e.to_string())?;
+    String::from_utf8(body.to_bytes().to_vec()).map_err(|_| "not UTF-8".to_string())
+}
+
+/// Runs until `shutdown` completes or `ticks` decisions were made; `listening` is told the
+/// metrics address once bound. The driver (and with it a local connector's workers) is
+/// dropped on return.
+pub async fn run(
+    mut driver: Driver,
+    cfg: ServiceConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+    listening: impl FnOnce(SocketAddr),
+) -> Result<(), ServiceError> {
+    let authority = cfg.frontend.trim_start_matches("http://").trim_end_matches('/').to_string();
+    if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
+        return Err(ServiceError::Address(cfg.frontend.clone()));
+    }
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |source| ServiceError::Io { what, source }
+    };
+    let listener = tokio::net::TcpListener::bind(cfg.metrics_listen)
+        .await
+        .map_err(io("binding the metrics address"))?;
+    listening(listener.local_addr().map_err(io("reading the metrics address"))?);
+    let text = Arc::new(Mutex::new(String::new()));
+    let shared = text.clone();
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let t = shared.lock().map(|t| t.clone()).unwrap_or_default();
+            async move { ([(hyper::header::CONTENT_TYPE, "text/plain; version=0.0.4")], t) }
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let mut log = match &cfg.decisions {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(io(&format!("opening {}", p.display())))?,
+        ),
+        None => None,
+    };
+    tokio::pin!(shutdown);
+    let mut timer = tokio::time::interval(cfg.interval);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut made = 0u64;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = timer.tick() => {}
+        }
+        let result = match fetch(&authority).await {
+            Ok(t) => driver.tick(&t).map_err(|e| e.to_string()),
+            Err(e) => Err(format!("reading http://{authority}/metrics: {e}")),
+        };
+        match result {
+            Ok(Some(d)) => {
+                made += 1;
+                let line = serde_json::to_string(&d).unwrap_or_default();
+                println!("{line}");
+                if let Some(f) = log.as_mut() {
+                    let _ = writeln!(f, "{line}");
+                }
+                tracing::info!(
+                    decision = d.id,
+                    prefill = d.target.prefill,
+                    decode = d.target.decode,
+                    "{}",
+                    d.reason
+                );
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "planner tick failed; the pools stay as they are"),
+        }
+        if let Ok(mut t) = text.lock() {
+            *t = driver.encode_metrics();
+        }
+        if cfg.ticks.is_some_and(|n| made >= n) {
+            break;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! A worker's performance profile: what `kvx profile` measures on one worker shape and the
+//! SLA planner and `kvx configure` read — time to first token and prefill throughput over
+//! prompt lengths, inter-token latency and decode throughput over a grid of batch sizes and
+//! context lengths — with the interpolation both use.
+
+use serde::{Deserialize, Serialize};
+
+/// The worker a profile was measured on. A profile describes one shape; the planner sizes
+/// pools of workers of that shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerShape {
+    /// `model` or `mocker`.
+    pub engine: String,
+    /// The role measured: `agg`, `prefill` or `decode`.
+    pub role: String,
+    /// Engine shards per worker.
+    pub shards: u32,
+    /// Kernel threads per shard.
+    pub threads_per_shard: u32,
+    /// Kernel instruction set (`avx512`, `avx2`, `scalar`; `none` for the mocker).
+    pub simd: String,
+    /// The model's name and a fingerprint of its file (the mocker's timing model for mocks).
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks per shard.
+    pub kv_blocks: u32,
+    /// Tokens one engine step takes at most.
+    pub max_batched_tokens: u32,
+    /// The CPU it ran on (`/proc/cpuinfo`'s model name), for the record.
+    pub cpu: String,
+}
+
+/// One prompt length: a prompt prefilled alone on an idle worker.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PrefillPoint {
+    /// Prompt tokens.
+    pub isl: u32,
+    /// Time to first token, milliseconds (median of the repetitions).
+    pub ttft_ms: f64,
+    /// Prompt tokens per second of one worker (`isl / ttft`).
+    pub tok_s: f64,
+}
+
+/// One batch size at one context length: steps that each decode one token of every sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DecodePoint {
+    /// Sequences decoding together.
+    pub batch: u32,
+    /// Tokens in each sequence's context (prompt and output so far).
+    pub context: u32,
+    /// Inter-token latency, milliseconds (median step time).
+    pub itl_ms: f64,
+    /// Output tokens per second of one worker (`batch / itl`).
+    pub tok_s: f64,
+}
+
+/// What `kvx profile` writes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Format version.
+    pub version: u32,
+    /// The worker measured.
+    pub shape: WorkerShape,
+    /// Repetitions per point (each point is their median).
+    pub reps: u32,
+    /// Prompt lengths, ascending.
+    pub prefill: Vec<PrefillPoint>,
+    /// A grid: every batch size at every context length, sorted by context then batch.
+    pub decode: Vec<DecodePoint>,
+}
+
+/// Why a profile cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProfileError {
+    /// Not a profile this version reads.
+    #[error("profile version {0} (this kvx reads version {PROFILE_VERSION})")]
+    Version(u32),
+    /// Points missing or out of order.
+    #[error("profile: {0}")]
+    Invalid(String),
+}
+
+/// The profile format this kvx writes and reads.
+pub const PROFILE_VERSION: u32 = 1;
+
+/// Linear interpolation of `ys` over ascending `xs` at `x`, extended linearly past both ends
+/// by the nearest segment (one point: that value). Never below zero.
+fn lerp(xs: &[f64], ys: &[f64], x: f64) -> f64 {
+    match xs.len() {
+        0 => 0.0,
+        1 => ys[0].max(0.0),
+        n => {
+            let i = xs.partition_point(|&v| v <= x).clamp(1, n - 1);
+            let (x0, x1, y0, y1) = (xs[i - 1], xs[i], ys[i - 1], ys[i]);
+            let t = if x1 > x0 { (x - x0) / (x1 - x0) } else { 0.0 };
+            (y0 + t * (y1 - y0)).max(0.0)
+        }
+    }
+}
+
+impl Profile {
+    /// Checks the version and the order of the points; the decode grid must be complete.
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        if self.version != PROFILE_VERSION {
+            return Err(ProfileError::Version(self.version));
+        }
+        let bad = |m: &str| Err(ProfileError::Invalid(m.into()));
+        if self.prefill.is_empty() || self.decode.is_empty() {
+            return bad("no prefill or no decode points");
+        }
+        if self.prefill.windows(2).any(|w| w[0].isl >= w[1].isl) {
+            return bad("prefill points are not in ascending prompt length");
+        }
+        let finite = |v: f64| v.is_finite() && v > 0.0;
+        if self.prefill.iter().any(|p| !finite(p.ttft_ms) || !finite(p.tok_s))
+            || self.decode.iter().any(|p| !finite(p.itl_ms) || !finite(p.tok_s))
+        {
+            return bad("a point has a time or rate that is not a positive number");
+        }
+        let (batches, contexts) = (self.batches(), self.contexts());
+        if batches.len() * contexts.len() != self.decode.len() {
+            return bad("the decode points are not a full grid of batch sizes and contexts");
+        }
+        for (i, p) in self.decode.iter().enumerate() {
+            let (c, b) = (i / batches.len(), i % batches.len());
+            if p.context != contexts[c] || p.batch != batches[b] {
+                return bad("decode points are not sorted by context, then batch size");
+            }
+        }
+        Ok(())
+    }
+
+    /// The decode grid's batch sizes, ascending.
+    pub fn batches(&self) -> Vec<u32> {
+        let mut b: Vec<u32> = self.decode.iter().map(|p| p.batch).collect();
+        b.sort_unstable();
+        b.dedup();
+        b
+    }
+
+    /// The decode grid's context lengths, ascending.
+    pub fn contexts(&self) -> Vec<u32> {
+        let mut c: Vec<u32> = self.decode.iter().map(|p| p.context).collect();
+        c.sort_unstable();
+        c.dedup();
+        c
+    }
+
+    /// Time to first token of a prompt of `isl` tokens on an idle worker, milliseconds.
+    pub fn ttft_ms(&self, isl: f64) -> f64 {
+        let xs: Vec<f64> = self.prefill.iter().map(|p| f64::from(p.isl)).collect();
+        let ys: Vec<f64> = self.prefill.iter().map(|p| p.ttft_ms).collect();
+        lerp(&xs, &ys, isl)
+    }
+
+    /// Prompt tokens per second one worker prefills at prompts of `isl` tokens.
+    pub fn prefill_tok_s(&self, isl: f64) -> f64 {
+        let t = self.ttft_ms(isl);
+        if t > 0.0 { isl.max(1.0) / t * 1e3 } else { 0.0 }
+    }
+
+    /// Inter-token latency at `batch` sequences of `context` tokens, milliseconds: bilinear
+    /// over the grid, linear past its edges.
+    pub fn itl_ms(&self, batch: f64, context: f64) -> f64 {
+        let (batches, contexts) = (self.batches(), self.contexts());
+        let bx: Vec<f64> = batches.iter().map(|&b| f64::from(b)).collect();
+        let cx: Vec<f64> = contexts.iter().map(|&c| f64::from(c)).collect();
+        // ITL over batch at each profiled context, then over context.
+        let at_ctx: Vec<f64> = (0..contexts.len())
+            .map(|c| {
+                let row = &self.decode[c * batches.len()..(c + 1) * batches.len()];
+                let ys: Vec<f64> = row.iter().map(|p| p.itl_ms).collect();
+                lerp(&bx, &ys, batch)
+            })
+            .collect();
+        lerp(&cx, &at_ctx, context)
+    }
+
+    /// The most output tokens per second one worker gives at `context` tokens while its ITL
+    /// stays within `itl_ms`, with the batch that gives it; `None` when even one sequence is
+    /// slower than that. Batches are searched up to the largest profiled one.
+    pub fn decode_capacity(&self, context: f64, itl_ms: f64) -> Option<(f64, f64)> {
+        let max = f64::from(*self.batches().last()?);
+        let mut best: Option<(f64, f64)> = None;
+        // Whole batch sizes from 1 to the grid's largest.
+        let mut b = 1.0;
+        while b <= max {
+            let itl = self.itl_ms(b, context);
+            if itl > 0.0 && itl <= itl_ms {
+                let tok_s = b / itl * 1e3;
+                if best.is_none_or(|(t, _)| tok_s > t) {
+                    best = Some((tok_s, b));
+                }
+            }
+            b += 1.0;
+        }
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Profile {
+        let shape = WorkerShape {
+            engine: "mocker".into(),
+            role: "agg".into(),
+            shards: 1,
+            threads_per_shard: 1,
+            simd: "none".into(),
+            model: "mocker".into(),
+            block_size: 16,
+            kv_blocks: 1024,
+            max_batched_tokens: 2048,
+            cpu: "test".into(),
+        };
+        let prefill = [(100, 20.0), (1000, 110.0), (2000, 260.0)]
+            .map(|(isl, ttft_ms)| PrefillPoint {
+                isl,
+                ttft_ms,
+                tok_s: f64::from(isl) / ttft_ms * 1e3,
+            })
+            .to_vec();
+        let mut decode = Vec::new();
+        for (context, base) in [(256, 10.0), (2048, 20.0)] {
+            for batch in [1, 8, 32] {
+                let itl_ms = base + f64::from(batch);
+                decode.push(DecodePoint {
+                    batch,
+                    context,
+                    itl_ms,
+                    tok_s: f64::from(batch) / itl_ms * 1e3,
+                });
+            }
+        }
+        Profile { version: PROFILE_VERSION, shape, reps: 3, prefill, decode }
+    }
+
+    #[test]
+    fn prefill_is_interpolated_and_extended_linearly() {
+        let p = sample();
+        assert!((p.ttft_ms(100.0) - 20.0).abs() < 1e-9);
+        assert!((p.ttft_ms(550.0) - 65.0).abs() < 1e-9);
+        assert!((p.ttft_ms(3000.0) - 410.0).abs() < 1e-9, "past the end: the last slope");
+        assert_eq!(p.ttft_ms(0.0), 10.0);
+        assert!((p.prefill_tok_s(1000.0) - 1000.0 / 0.110).abs() < 1e-6);
+    }
+
+    #[test]
+    fn decode_is_bilinear_and_capacity_meets_the_latency() {
+        let p = sample();
+        assert!((p.itl_ms(8.0, 256.0) - 18.0).abs() < 1e-9);
+        // Halfway in context, between batch 8 and 32.
+        assert!((p.itl_ms(20.0, 1152.0) - (15.0 + 20.0)).abs() < 1e-9);
+        // Within 30 ms at 256 tokens: batch 20 (10 + 20 ms) is the best.
+        let (tok_s, b) = p.decode_capacity(256.0, 30.0).unwrap();
+        assert_eq!(b, 20.0);
+        assert!((tok_s - 20.0 / 30.0 * 1e3).abs() < 1e-6);
+        assert!(p.decode_capacity(2048.0, 20.5).is_none(), "one sequence takes 21 ms there");
+    }
+
+    #[test]
+    fn broken_profiles_are_refused() {
+        let p = sample();
+        assert_eq!(p.validate(), Ok(()));
+        let mut q = p.clone();
+        q.version = 9;
+        assert_eq!(q.validate(), Err(ProfileError::Version(9)));
+        let mut q = p.clone();
+        q.decode.pop();
+        assert!(matches!(q.validate(), Err(ProfileError::Invalid(_))));
+        let mut q = p.clone();
+        q.prefill.swap(0, 1);
+        assert!(matches!(q.validate(), Err(ProfileError::Invalid(_))));
+        let mut q = p;
+        q.decode[2].itl_ms = f64::NAN;
+        assert!(matches!(q.validate(), Err(ProfileError::Invalid(_))));
+        let json = serde_json::to_string(&sample()).unwrap();
+        assert_eq!(serde_json::from_str::<Profile>(&json).unwrap(), sample());
+    }
+}

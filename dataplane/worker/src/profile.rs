@@ -1,0 +1,207 @@
+//! `kvx profile`: the pre-deployment sweep of one engine, in this process — time to first
+//! token of a prompt alone on an idle engine over prompt lengths, and the step time of a
+//! batch decoding together over batch sizes × context lengths — each point the median of
+//! repeated runs, as a [`Profile`] the SLA planner and `kvx configure` read.
+//!
+//! Decode points share their prompt but for its last token, so after the first batch of a
+//! context the prompts are prefix-cache hits and the sweep spends its time decoding.
+
+use std::time::Instant;
+
+use kvx_engine::{Engine, EngineError};
+use kvx_proto::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile, WorkerShape};
+use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
+
+/// What to sweep.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sweep {
+    /// Prompt lengths of the prefill curve, ascending.
+    pub prefill_isl: Vec<u32>,
+    /// Batch sizes of the decode grid, ascending.
+    pub batches: Vec<u32>,
+    /// Context lengths of the decode grid, ascending.
+    pub contexts: Vec<u32>,
+    /// Runs per point (the median is kept).
+    pub reps: u32,
+    /// Decode steps timed per run.
+    pub steps: u32,
+}
+
+impl Sweep {
+    /// ~16 prompt lengths up to `max_isl` (a geometric series) and a 6 × 6 decode grid up to
+    /// `max_batch` sequences of `max_context` tokens.
+    pub fn standard(max_isl: u32, max_batch: u32, max_context: u32, reps: u32) -> Self {
+        let geo = |max: u32, n: u32, min: u32| -> Vec<u32> {
+            let (lo, hi) = (f64::from(min.max(1)), f64::from(max.max(min.max(1))));
+            let mut v: Vec<u32> = (0..n)
+                .map(|i| {
+                    (lo * (hi / lo).powf(f64::from(i) / f64::from((n - 1).max(1)))).round() as u32
+                })
+                .collect();
+            v.dedup();
+            v
+        };
+        Sweep {
+            prefill_isl: geo(max_isl, 16, 32),
+            batches: geo(max_batch, 6, 1),
+            contexts: geo(max_context, 6, 64),
+            reps: reps.max(1),
+            steps: 8,
+        }
+    }
+
+    /// KV tokens the largest decode point holds.
+    pub fn peak_tokens(&self) -> u64 {
+        let b = u64::from(self.batches.last().copied().unwrap_or(0));
+        let c = u64::from(self.contexts.last().copied().unwrap_or(0));
+        b * (c + u64::from(self.steps) + 2)
+    }
+}
+
+/// Why the sweep stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileRunError {
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// An engine could not be made.
+    #[error("making an engine: {0}")]
+    Setup(String),
+    /// A point that cannot be measured on this engine.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+/// A prompt token: spread over the vocabulary, clear of its first and last ids.
+fn token(i: u64, vocab: u32) -> u32 {
+    let span = u64::from(vocab.saturating_sub(4).max(1));
+    2 + ((i.wrapping_mul(2_654_435_761)) % span) as u32
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        id: RequestId(id),
+        prompt,
+        sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
+        stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
+        logprobs: None,
+        salt: None,
+        kv: Default::default(),
+        resume: Vec::new(),
+        constraint: None,
+        prompt_logprobs: None,
+        fork: None,
+    }
+}
+
+/// Measures `sweep` on engines from `make` (a fresh one per prefill run and per decode
+/// context: nothing cached between them), which hold `capacity` KV tokens. `vocab` bounds
+/// the prompt tokens; `progress` is told each point as it is measured.
+pub fn measure(
+    make: &mut dyn FnMut() -> Result<Engine, String>,
+    vocab: u32,
+    capacity: u64,
+    shape: WorkerShape,
+    sweep: &Sweep,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Profile, ProfileRunError> {
+    if sweep.peak_tokens() > capacity {
+        return Err(ProfileRunError::Invalid(format!(
+            "the largest decode point needs {} KV tokens; the engine holds {capacity}: fewer sequences or a shorter context",
+            sweep.peak_tokens()
+        )));
+    }
+    if sweep.prefill_isl.is_empty() || sweep.batches.is_empty() || sweep.contexts.is_empty() {
+        return Err(ProfileRunError::Invalid("nothing to measure".into()));
+    }
+    let mut next_id = 0u64;
+    let mut id = || {
+        next_id += 1;
+        next_id
+    };
+    let mut prefill = Vec::new();
+    for &isl in &sweep.prefill_isl {
+        let mut runs = Vec::new();
+        for rep in 0..sweep.reps {
+            let mut engine = make().map_err(ProfileRunError::Setup)?;
+            let salt = u64::from(isl) * 1_000 + u64::from(rep);
+            let prompt = (0..u64::from(isl)).map(|i| token(salt * 7_919 + i, vocab)).collect();
+            engine.add(&request(id(), prompt, 1))?;
+            let t = Instant::now();
+            loop {
+                let out = engine.step()?;
+                if out.events.iter().any(|e| e.token.is_some()) {
+                    break;
+                }
+            }
+            runs.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let ttft_ms = median(&mut runs);
+        progress(&format!("prefill {isl} tokens: TTFT {ttft_ms:.1} ms"));
+        prefill.push(PrefillPoint { isl, ttft_ms, tok_s: f64::from(isl) / ttft_ms * 1e3 });
+    }
+    let mut decode = Vec::new();
+    for &context in &sweep.contexts {
+        let mut engine = make().map_err(ProfileRunError::Setup)?;
+        let shared: Vec<u32> = (0..u64::from(context.saturating_sub(1)))
+            .map(|i| token(u64::from(context) * 31 + i, vocab))
+            .collect();
+        for &batch in &sweep.batches {
+            let mut runs = Vec::new();
+            for rep in 0..sweep.reps {
+                let ids: Vec<u64> = (0..batch).map(|_| id()).collect();
+                for (k, &rid) in ids.iter().enumerate() {
+                    let mut prompt = shared.clone();
+                    prompt.push(token(u64::from(rep) * 100_003 + k as u64 + 1, vocab));
+                    engine.add(&request(rid, prompt, sweep.steps + 2))?;
+                }
+                // Until every sequence has its first token, then time the steps.
+                let mut started = 0usize;
+                while started < ids.len() {
+                    let out = engine.step()?;
+                    started += out
+                        .events
+                        .iter()
+                        .filter(|e| e.token.is_some() && e.usage.completion_tokens == 1)
+                        .count();
+                }
+                let mut steps = Vec::new();
+                for _ in 0..sweep.steps {
+                    let t = Instant::now();
+                    let out = engine.step()?;
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    if out.events.iter().filter(|e| e.token.is_some()).count() == ids.len() {
+                        steps.push(ms);
+                    }
+                }
+                for rid in ids {
+                    engine.cancel(RequestId(rid));
+                }
+                while engine.has_work() {
+                    engine.step()?;
+                }
+                if steps.is_empty() {
+                    return Err(ProfileRunError::Invalid(format!(
+                        "batch {batch} at {context} tokens never decoded together (the engine runs at most {} sequences)",
+                        engine.config().sched.max_num_seqs
+                    )));
+                }
+                runs.push(median(&mut steps));
+            }
+            let itl_ms = median(&mut runs);
+            progress(&format!("decode batch {batch} at {context} tokens: ITL {itl_ms:.2} ms"));
+            decode.push(DecodePoint {
+                batch,
+                context,
+                itl_ms,
+                tok_s: f64::from(batch) / itl_ms * 1e3,
+            });
+        }
+    }
+    Ok(Profile { version: PROFILE_VERSION, shape, reps: sweep.reps, prefill, decode })
+}

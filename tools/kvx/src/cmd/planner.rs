@@ -1,0 +1,148 @@
+//! `kvx planner`: flags and wiring of the SLA planner process (kvx-planner's driver and
+//! service): a profile, targets, pool bounds, a predictor and a connector.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use kvx_planner::connector::{Connector, LocalConnector, VirtualConnector};
+use kvx_planner::driver::Driver;
+use kvx_planner::plan::{Bounds, Planner, PlannerConfig, Replicas, Targets};
+use kvx_planner::predict::PredictorKind;
+use kvx_planner::service::{ServiceConfig, run as serve};
+use kvx_proto::profile::Profile;
+
+use super::http_opts::shutdown_signal;
+
+/// Where decisions go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ConnectorArg {
+    /// `kvx worker` processes on this host, started and drained by the planner.
+    Local,
+    /// A decision file for an outside system, acknowledged through another file.
+    Virtual,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PlannerArgs {
+    /// The frontend whose /metrics the planner reads (`http://host:port`).
+    #[arg(long, env = "KVX_PLANNER_FRONTEND")]
+    frontend: String,
+    /// The worker profile (`kvx profile --out`).
+    #[arg(long, env = "KVX_PLANNER_PROFILE")]
+    profile: PathBuf,
+    /// TTFT target, 90th percentile, milliseconds.
+    #[arg(long, env = "KVX_PLANNER_TTFT_MS", default_value_t = 500.0)]
+    ttft: f64,
+    /// ITL target, 90th percentile, milliseconds.
+    #[arg(long, env = "KVX_PLANNER_ITL_MS", default_value_t = 50.0)]
+    itl: f64,
+    /// Seconds between decisions.
+    #[arg(long, env = "KVX_PLANNER_INTERVAL", default_value_t = 60.0)]
+    planner_interval: f64,
+    /// constant, moving-average[:WINDOW], holt[:ALPHA:BETA] or kalman[:Q].
+    #[arg(long, env = "KVX_PLANNER_PREDICTOR", default_value = "holt")]
+    predictor: PredictorKind,
+    /// Prefill pool bounds.
+    #[arg(long, default_value_t = 1)]
+    min_prefill: u32,
+    #[arg(long, default_value_t = 8)]
+    max_prefill: u32,
+    /// Decode pool bounds.
+    #[arg(long, default_value_t = 1)]
+    min_decode: u32,
+    #[arg(long, default_value_t = 8)]
+    max_decode: u32,
+    /// Seconds after a pool's change before it may shrink.
+    #[arg(long, default_value_t = 120.0)]
+    cooldown: f64,
+    /// Where decisions go.
+    #[arg(long, value_enum, default_value = "local")]
+    connector: ConnectorArg,
+    /// Local: the arguments of every worker after `kvx worker` (split on spaces; the planner
+    /// adds `--role`), e.g. "--frontend 127.0.0.1:7100 --engine mocker".
+    #[arg(long, allow_hyphen_values = true)]
+    worker_args: Option<String>,
+    /// Local: a directory for the workers' logs.
+    #[arg(long)]
+    worker_logs: Option<PathBuf>,
+    /// Virtual: the decision file written.
+    #[arg(long)]
+    decision_file: Option<PathBuf>,
+    /// Virtual: the acknowledgement file read (`{"scaled_decision_id": N}`).
+    #[arg(long)]
+    ack_file: Option<PathBuf>,
+    /// Where the planner's /metrics listens.
+    #[arg(long, env = "KVX_PLANNER_METRICS", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
+    /// Also append every decision (JSON lines) to this file.
+    #[arg(long)]
+    decisions: Option<PathBuf>,
+    /// Stop after this many decisions.
+    #[arg(long)]
+    ticks: Option<u64>,
+}
+
+pub(crate) fn run(args: PlannerArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.profile)
+        .with_context(|| format!("reading {}", args.profile.display()))?;
+    let profile: Profile = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a profile", args.profile.display()))?;
+    let secs = |v: f64, name: &str| -> Result<Duration> {
+        if !(v.is_finite() && v > 0.0) {
+            bail!("--{name} must be a positive number of seconds");
+        }
+        Ok(Duration::from_secs_f64(v))
+    };
+    let cfg = PlannerConfig {
+        interval: secs(args.planner_interval, "planner-interval")?,
+        targets: Targets { ttft_ms: args.ttft, itl_ms: args.itl },
+        prefill: Bounds { min: args.min_prefill, max: args.max_prefill },
+        decode: Bounds { min: args.min_decode, max: args.max_decode },
+        predictor: args.predictor,
+        cooldown: secs(args.cooldown.max(1e-3), "cooldown")?,
+        ..PlannerConfig::default()
+    };
+    let planner = Planner::new(cfg.clone(), profile)?;
+    let connector: Box<dyn Connector> = match args.connector {
+        ConnectorArg::Local => {
+            let Some(wa) = &args.worker_args else {
+                bail!("--connector local needs --worker-args")
+            };
+            let mut argv = vec!["worker".to_string()];
+            argv.extend(wa.split_whitespace().map(str::to_string));
+            if let Some(d) = &args.worker_logs {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            }
+            let exe = std::env::current_exe().context("finding this executable")?;
+            Box::new(LocalConnector::new(exe, argv, args.worker_logs.clone()))
+        }
+        ConnectorArg::Virtual => {
+            let (Some(d), Some(a)) = (&args.decision_file, &args.ack_file) else {
+                bail!("--connector virtual needs --decision-file and --ack-file")
+            };
+            Box::new(VirtualConnector::new(
+                d,
+                a,
+                Replicas { prefill: args.min_prefill, decode: args.min_decode },
+            ))
+        }
+    };
+    let service = ServiceConfig {
+        frontend: args.frontend.clone(),
+        interval: cfg.interval,
+        metrics_listen: args.metrics_listen,
+        decisions: args.decisions.clone(),
+        ticks: args.ticks,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(serve(Driver::new(planner, connector), service, shutdown_signal(), |a| {
+        println!("planner metrics on http://{a}/metrics");
+    }))?;
+    Ok(())
+}
