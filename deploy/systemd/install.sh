@@ -26,7 +26,7 @@
 # /etc/kvx/kvx.env comes from `kvx configure --layout host --workers N --format env --out FILE`
 # (N: the roles given) when the installed kvx has that command, else from
 # deploy/systemd/kvx.env (single host). kvx-planner.service is installed but never enabled:
-# `kvx planner` is not built yet.
+# it needs a profile and KVX_PLANNER_* settings (see the unit).
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -193,4 +193,4 @@ if [ "$enable" -eq 1 ]; then
 elif [ -z "$root" ]; then
     systemctl daemon-reload
 fi
-say "kvx-planner.service is installed, not enabled: it needs \`kvx planner\`, not built yet"
+say "kvx-planner.service is installed, not enabled: it needs a profile and KVX_PLANNER_* settings (see the unit)"

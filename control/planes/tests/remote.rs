@@ -206,6 +206,32 @@ async fn workers_join_and_serve_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_leaves_routing_and_its_requests_go_elsewhere() {
+    let (p, addr) = plane(Duration::from_secs(2)).await;
+    let a = RealWorker::join(&addr, 1, 100);
+    let b = RealWorker::join(&addr, 1, 200);
+    wait_for("two workers", || p.workers().len() == 2).await;
+    // Worker 100 drains (as on SIGTERM): its load says so and the frontend stops routing to
+    // it; with nothing to run it then leaves.
+    let _ = a.stop.send(Phase::Draining);
+    wait_for("worker 100 out of routing", || !p.workers().iter().any(|w| w.id == 100 && w.alive))
+        .await;
+    for id in 1..=12 {
+        let mut rx = p.submit(request(id, id as u32, 40, 3)).expect("submit");
+        let (tokens, end) = collect(&mut rx, LONG).await;
+        assert_eq!((tokens.len(), end), (3, End::Finished(FinishReason::Length)), "request {id}");
+    }
+    let placed_again = metric(&p, "plane_requests_placed_again_total");
+    assert_eq!(placed_again, 0.0, "no request was sent to the draining worker");
+    let finished =
+        |w: u64| p.workers().iter().find(|x| x.id == w).map_or(0, |x| x.metrics.finished);
+    wait_for("worker 200's counters", || finished(200) == 12).await;
+    assert_eq!(finished(100), 0);
+    a.stop().await.expect("stop");
+    b.stop().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_of_another_block_size_or_model_is_refused() {
     let (p, addr) = plane(Duration::from_secs(2)).await;
     let w = RealWorker::start(Link::Connect(addr.clone()), 1, 7, 2 * BS);

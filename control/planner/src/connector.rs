@@ -75,7 +75,16 @@ pub struct LocalConnector {
     target: Replicas,
     started: u64,
     restarts: u64,
+    /// Workers of a role that exited soon after their start, in a row, and when the next
+    /// may start: a worker that cannot start is retried with a doubling delay.
+    quick_exits: [u32; 2],
+    not_before: [Option<Instant>; 2],
 }
+
+/// A worker that exits within this long of its start counts as one that cannot start.
+const QUICK_EXIT: Duration = Duration::from_secs(10);
+/// The longest delay between starts of a worker that cannot start.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 impl LocalConnector {
     /// Workers run `program args... --role ROLE`.
@@ -89,6 +98,8 @@ impl LocalConnector {
             target: Replicas::default(),
             started: 0,
             restarts: 0,
+            quick_exits: [0; 2],
+            not_before: [None; 2],
         }
     }
 
@@ -131,7 +142,8 @@ impl LocalConnector {
     fn reconcile(&mut self) -> Result<(), ConnectorError> {
         for (role, name) in ROLES.iter().enumerate() {
             let want = count(self.target, role) as usize;
-            while self.running[role].len() < want {
+            let waiting = self.not_before[role].is_some_and(|t| Instant::now() < t);
+            while self.running[role].len() < want && !waiting {
                 self.spawn(role)?;
             }
             while self.running[role].len() > want {
@@ -150,20 +162,33 @@ impl LocalConnector {
         self.draining.retain_mut(|w| !matches!(w.child.try_wait(), Ok(Some(_))));
         for (role, name) in ROLES.iter().enumerate() {
             let before = self.running[role].len();
+            let mut quick = false;
             self.running[role].retain_mut(|w| match w.child.try_wait() {
                 Ok(Some(status)) => {
+                    let after = w.started.elapsed();
+                    quick |= after < QUICK_EXIT;
                     tracing::warn!(
                         role = name,
                         pid = w.child.id(),
                         %status,
-                        after_s = w.started.elapsed().as_secs_f64(),
+                        after_s = after.as_secs_f64(),
                         "worker exited; starting another"
                     );
                     false
                 }
                 _ => true,
             });
-            self.restarts += (before - self.running[role].len()) as u64;
+            let exited = before - self.running[role].len();
+            self.restarts += exited as u64;
+            if exited > 0 && quick {
+                self.quick_exits[role] = self.quick_exits[role].saturating_add(1);
+                let delay =
+                    Duration::from_secs(1 << self.quick_exits[role].min(6)).min(MAX_BACKOFF);
+                self.not_before[role] = Some(Instant::now() + delay);
+            } else if exited > 0 {
+                self.quick_exits[role] = 0;
+                self.not_before[role] = None;
+            }
         }
         self.reconcile()
     }
@@ -246,17 +271,26 @@ pub struct VirtualConnector {
     sent: Vec<VirtualDecision>,
     /// The counts of the last acknowledged decision.
     done: Replicas,
+    /// Added to the planner's decision ids.
+    base: u64,
 }
 
 impl VirtualConnector {
     /// Writes decisions to `decision`, reads acknowledgements from `ack`; `initial` is what
-    /// runs before the first acknowledgement.
+    /// runs before the first acknowledgement. Decision ids continue above an
+    /// acknowledgement already in `ack` (from an earlier run), so it acknowledges none of
+    /// this run's decisions.
     pub fn new(decision: &Path, ack: &Path, initial: Replicas) -> Self {
+        let base = std::fs::read_to_string(ack)
+            .ok()
+            .and_then(|t| serde_json::from_str::<VirtualAck>(&t).ok())
+            .map_or(0, |a| a.scaled_decision_id);
         VirtualConnector {
             decision: decision.into(),
             ack: ack.into(),
             sent: Vec::new(),
             done: initial,
+            base,
         }
     }
 }
@@ -274,6 +308,7 @@ impl Connector for VirtualConnector {
         {
             return Ok(());
         }
+        let decision_id = self.base.saturating_add(decision_id);
         let d = VirtualDecision { prefill: target.prefill, decode: target.decode, decision_id };
         let text = serde_json::to_string(&d).map_err(|e| ConnectorError::Invalid(e.to_string()))?;
         let tmp = self.decision.with_extension("tmp");
@@ -329,6 +364,15 @@ mod tests {
         assert_eq!(c.actual().unwrap(), Replicas { prefill: 2, decode: 4 });
         std::fs::write(&ack, "not json").unwrap();
         assert!(matches!(c.actual(), Err(ConnectorError::Invalid(_))));
+        // A new run over the same files: the old acknowledgement (8) covers none of its
+        // decisions.
+        std::fs::write(&ack, r#"{"scaled_decision_id": 8}"#).unwrap();
+        let mut c = VirtualConnector::new(&dec, &ack, Replicas { prefill: 1, decode: 1 });
+        c.apply(Replicas { prefill: 5, decode: 5 }, 1).unwrap();
+        assert_eq!(c.actual().unwrap(), Replicas { prefill: 1, decode: 1 });
+        let written: VirtualDecision =
+            serde_json::from_str(&std::fs::read_to_string(&dec).unwrap()).unwrap();
+        assert_eq!(written.decision_id, 9);
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -337,22 +381,26 @@ mod tests {
         let d = dir("local");
         // A stand-in worker: prints its role, exits 0 on SIGTERM, lives 30 s otherwise.
         let script = d.join("worker.sh");
-        std::fs::write(&script, "#!/bin/sh\necho \"$@\"\ntrap 'exit 0' TERM\nsleep 30 & wait\n")
-            .unwrap();
+        std::fs::write(
+            &script,
+            "#!/bin/sh\necho \"$@\"\nsleep 30 &\ntrap 'kill $!; exit 0' TERM\nwait\n",
+        )
+        .unwrap();
         let mut c =
             LocalConnector::new("/bin/sh", vec![script.display().to_string()], Some(d.clone()));
         c.apply(Replicas { prefill: 1, decode: 2 }, 1).unwrap();
         assert_eq!(c.actual().unwrap(), Replicas { prefill: 1, decode: 2 });
         c.apply(Replicas { prefill: 1, decode: 1 }, 2).unwrap();
         assert_eq!(c.actual().unwrap(), Replicas { prefill: 1, decode: 1 });
-        assert_eq!(c.draining(), 1);
+        assert!(c.draining() <= 1);
         let t = Instant::now();
         while c.draining() > 0 && t.elapsed() < Duration::from_secs(10) {
             c.actual().unwrap();
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(c.draining(), 0, "the drained worker exited on SIGTERM");
-        // A worker that dies is replaced.
+        // A worker that dies is replaced; one that dies this soon after its start, after a
+        // delay (2 s the first time).
         let pid = c.running[0][0].child.id();
         std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
         let t = Instant::now();
@@ -361,6 +409,12 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(c.restarts(), 1);
+        assert_eq!(c.actual().unwrap(), Replicas { prefill: 0, decode: 1 }, "not at once");
+        let t = Instant::now();
+        while c.actual().unwrap().prefill == 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(t.elapsed() >= Duration::from_millis(1500), "restarted after {:?}", t.elapsed());
         assert_eq!(c.actual().unwrap(), Replicas { prefill: 1, decode: 1 });
         assert_ne!(c.running[0][0].child.id(), pid);
         let log = std::fs::read_to_string(d.join("worker-prefill-1.log")).unwrap();

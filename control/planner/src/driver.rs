@@ -49,7 +49,7 @@ struct Metrics {
 pub struct Driver {
     planner: Planner,
     connector: Box<dyn Connector>,
-    last: Option<Sample>,
+    last: Option<(Sample, Instant)>,
     started: Instant,
     metrics: Metrics,
     registry: Registry,
@@ -116,8 +116,9 @@ impl Driver {
         Driver { planner, connector, last: None, started: Instant::now(), metrics, registry }
     }
 
-    /// The first tick starts the pools at their minimum; every later one decides. `text` is
-    /// the frontend's `/metrics`.
+    /// The first tick starts the pools at their minimum; every later one decides on what was
+    /// measured since the last tick that read the metrics. `text` is the frontend's
+    /// `/metrics`.
     pub fn tick(&mut self, text: &str) -> Result<Option<Decision>, DriverError> {
         let r = self.try_tick(text);
         if r.is_err() {
@@ -128,7 +129,8 @@ impl Driver {
 
     fn try_tick(&mut self, text: &str) -> Result<Option<Decision>, DriverError> {
         let sample = Sample::parse(text).map_err(DriverError::Metrics)?;
-        let Some(last) = self.last.replace(sample.clone()) else {
+        let now = Instant::now();
+        let Some((last, then)) = self.last.replace((sample.clone(), now)) else {
             let c = self.planner.config();
             let start = Replicas { prefill: c.prefill.min, decode: c.decode.min };
             self.connector.apply(start, 0)?;
@@ -137,8 +139,21 @@ impl Driver {
             return Ok(None);
         };
         let obs = sample.since(&last);
-        let actual = self.connector.actual()?;
-        let d = self.planner.decide(self.started.elapsed().as_secs_f64(), &obs, actual);
+        // Running: what the connector started and the frontend has seen join (a worker is
+        // not running before it serves, nor once it drains); the connector's count alone
+        // where the frontend reports no workers.
+        let started = self.connector.actual()?;
+        let up = |role: &str| obs.workers.get(role).copied().unwrap_or(0);
+        let actual = if obs.workers.is_empty() {
+            started
+        } else {
+            Replicas {
+                prefill: started.prefill.min(up("prefill")),
+                decode: started.decode.min(up("decode")),
+            }
+        };
+        let elapsed = now.duration_since(then).as_secs_f64();
+        let d = self.planner.decide(self.started.elapsed().as_secs_f64(), elapsed, &obs, actual);
         self.connector.apply(d.target, d.id)?;
         let m = &self.metrics;
         m.decisions.inc();

@@ -1,6 +1,7 @@
 //! What the planner observes: a frontend's `/metrics` (Prometheus text) read into cumulative
 //! counters and histograms, and the difference of two reads as one interval's load and
-//! latencies — requests finished, mean prompt and output lengths, TTFT and ITL means and
+//! latencies — requests arrived (finished, plus the change in those in flight) and finished,
+//! mean prompt and output lengths, TTFT and ITL means and
 //! 90th percentiles (as PromQL's `histogram_quantile` computes them), workers up by role.
 
 use std::collections::HashMap;
@@ -73,6 +74,10 @@ impl Histogram {
 pub struct Sample {
     /// Requests finished (every reason).
     pub requests: f64,
+    /// Requests in flight at the read.
+    pub inflight: f64,
+    /// Requests admission refused (overloaded: demand not served).
+    pub refused: f64,
     /// Prompt tokens of the requests.
     pub input_tokens: f64,
     /// Output tokens.
@@ -88,9 +93,14 @@ pub struct Sample {
 /// One interval's load and latencies.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Observation {
-    /// Requests finished in it.
+    /// Requests that arrived in it (those finished and those admission refused, plus the
+    /// change in those in flight).
     pub requests: f64,
-    /// Mean prompt tokens of those requests (0 when none).
+    /// Requests finished in it.
+    pub finished: f64,
+    /// Requests in flight at its end.
+    pub inflight: f64,
+    /// Mean prompt tokens of the requests finished (0 when none).
     pub isl: f64,
     /// Mean output tokens.
     pub osl: f64,
@@ -126,6 +136,8 @@ impl Sample {
             let wanted = matches!(
                 name,
                 "kvx_requests_finished_total"
+                    | "kvx_inflight_requests"
+                    | "kvx_admission_refused_total"
                     | "kvx_input_tokens_total"
                     | "kvx_output_tokens_total"
                     | "kvx_worker_up"
@@ -139,6 +151,8 @@ impl Sample {
             let label = |key: &str| label(labels, key);
             match name {
                 "kvx_requests_finished_total" => s.requests += v,
+                "kvx_inflight_requests" => s.inflight = v,
+                "kvx_admission_refused_total" => s.refused += v,
                 "kvx_input_tokens_total" => s.input_tokens += v,
                 "kvx_output_tokens_total" => s.output_tokens += v,
                 "kvx_worker_up" => {
@@ -188,13 +202,17 @@ impl Sample {
     /// The interval from `earlier` to `self`.
     pub fn since(&self, earlier: &Sample) -> Observation {
         let d = |now: f64, then: f64| if now < then { now } else { now - then };
-        let requests = d(self.requests, earlier.requests);
-        let per = |t: f64| if requests > 0.0 { t / requests } else { 0.0 };
+        let finished = d(self.requests, earlier.requests);
+        let per = |t: f64| if finished > 0.0 { t / finished } else { 0.0 };
+        let refused = d(self.refused, earlier.refused);
+        let requests = (finished + refused + self.inflight - earlier.inflight).max(0.0);
         let ttft = self.ttft.since(&earlier.ttft);
         let itl = self.itl.since(&earlier.itl);
         let ms = |v: Option<f64>| v.map(|s| s * 1e3);
         Observation {
             requests,
+            finished,
+            inflight: self.inflight,
             isl: per(d(self.input_tokens, earlier.input_tokens)),
             osl: per(d(self.output_tokens, earlier.output_tokens)),
             ttft_mean_ms: ms(ttft.mean()),
@@ -243,6 +261,8 @@ mod tests {
              kvx_requests_finished_total{{reason=\"length\"}} {finished}\n\
              kvx_requests_finished_total{{reason=\"stop\"}} 0\n\
              kvx_input_tokens_total {input}\nkvx_output_tokens_total {}\n\
+             kvx_inflight_requests {}\n\
+             kvx_admission_refused_total{{reason=\"wait\"}} {}\n\
              kvx_time_to_first_token_seconds_bucket{{le=\"0.1\"}} {}\n\
              kvx_time_to_first_token_seconds_bucket{{le=\"0.5\"}} {}\n\
              kvx_time_to_first_token_seconds_bucket{{le=\"+Inf\"}} {}\n\
@@ -254,6 +274,8 @@ mod tests {
              kvx_worker_role{{worker=\"3\",role=\"decode\"}} 1\n\
              kvx_unrelated{{a=\"b\"}} 5 1700000000\n",
             finished * 10,
+            finished / 10,
+            finished / 5,
             ttft[0],
             ttft[1],
             ttft[2],
@@ -268,7 +290,8 @@ mod tests {
         assert_eq!(b.workers.get("decode"), Some(&1), "worker 2 is down");
         assert_eq!(b.workers.get("prefill"), Some(&1));
         let o = b.since(&a);
-        assert_eq!(o.requests, 20.0);
+        // 20 finished, 4 refused, and in flight from 1 to 3: 26 arrived.
+        assert_eq!((o.requests, o.finished), (26.0, 20.0));
         assert_eq!(o.isl, 200.0);
         assert_eq!(o.osl, 10.0);
         assert!((o.ttft_mean_ms.unwrap() - 250.0).abs() < 1e-9);
@@ -296,7 +319,7 @@ mod tests {
         let a = Sample::parse(&text(50, 9000, [5, 10, 10], 9.0)).unwrap();
         let b = Sample::parse(&text(5, 500, [1, 2, 2], 0.4)).unwrap();
         let o = b.since(&a);
-        assert_eq!(o.requests, 5.0);
+        assert_eq!(o.finished, 5.0);
         assert_eq!(o.isl, 100.0);
         assert!((o.ttft_mean_ms.unwrap() - 200.0).abs() < 1e-9);
         assert!(Sample::parse("kvx_input_tokens_total x\n").is_err());

@@ -21,6 +21,30 @@ use serde::Serialize;
 use crate::observe::Observation;
 use crate::predict::{Predictor, PredictorKind};
 
+/// The largest share of requests that may find every decode slot taken (the targets are
+/// 90th percentiles).
+const WAIT_SHARE: f64 = 0.1;
+
+/// Erlang C: the chance that an arrival waits when `servers` serve an offered load of `load`
+/// (arrival rate × holding time), as in M/M/c: 1 at or past saturation, 0 without load.
+fn erlang_c(servers: f64, load: f64) -> f64 {
+    if load.is_nan() || load <= 0.0 {
+        return 0.0;
+    }
+    let n = servers.floor();
+    if load >= n {
+        return 1.0;
+    }
+    // Erlang B by its recurrence, then C from B.
+    let mut b = 1.0;
+    let mut k = 1.0;
+    while k <= n {
+        b = load * b / (k + load * b);
+        k += 1.0;
+    }
+    (n * b / (n - load * (1.0 - b))).clamp(0.0, 1.0)
+}
+
 /// Latency targets.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Targets {
@@ -190,31 +214,45 @@ impl Planner {
     }
 
     /// Decides the pools for the next interval. `now_s` is the caller's clock in seconds,
-    /// `actual` the workers running now (a pool whose count differs from the last target is
-    /// still changing: it is held).
-    pub fn decide(&mut self, now_s: f64, obs: &Observation, actual: Replicas) -> Decision {
+    /// `obs` what was measured over the last `elapsed_s` seconds, `actual` the workers
+    /// running now (a pool whose count differs from the last target is still changing: it is
+    /// held).
+    pub fn decide(
+        &mut self,
+        now_s: f64,
+        elapsed_s: f64,
+        obs: &Observation,
+        actual: Replicas,
+    ) -> Decision {
         self.decisions += 1;
-        let secs = self.cfg.interval.as_secs_f64();
-        self.requests.observe(obs.requests);
-        if obs.requests > 0.0 {
+        let secs = if elapsed_s.is_finite() && elapsed_s > 1e-3 {
+            elapsed_s
+        } else {
+            self.cfg.interval.as_secs_f64()
+        };
+        self.requests.observe(obs.requests / secs);
+        if obs.finished > 0.0 {
             self.isl.observe(obs.isl);
             self.osl.observe(obs.osl);
         }
         let predicted = Load {
-            requests_per_s: self.requests.predict() / secs,
+            requests_per_s: self.requests.predict(),
             isl: self.isl.predict(),
             osl: self.osl.predict(),
         };
         let t = self.cfg.targets;
         let clamp_corr = |c: f64| c.clamp(1.0 / self.cfg.max_correction, self.cfg.max_correction);
         let rate_now = obs.requests / secs;
+        // The pools are sized for the larger of the prediction and what was just measured: a
+        // trend that turns is not followed below the demand already there.
+        let rate = predicted.requests_per_s.max(rate_now);
 
         // Prefill: the correction compares the measured TTFT with the model at the measured
         // utilisation.
         let t0 = |isl: f64| self.profile.ttft_ms(isl);
         let cap = |isl: f64| self.profile.prefill_tok_s(isl);
         let p_corr = match (obs.ttft_p90_ms, actual.prefill) {
-            (Some(m), n) if n > 0 && obs.requests > 0.0 && obs.isl > 0.0 => {
+            (Some(m), n) if n > 0 && obs.finished > 0.0 && obs.isl > 0.0 => {
                 let rho = (rate_now * obs.isl / (f64::from(n) * cap(obs.isl))).min(0.95);
                 clamp_corr(m / (t0(obs.isl) / (1.0 - rho)))
             }
@@ -222,26 +260,41 @@ impl Planner {
         };
         let idle = t0(predicted.isl) * p_corr;
         let rho_max = (1.0 - idle / t.ttft_ms).clamp(0.05, 0.95);
-        let prompt_tok_s = predicted.requests_per_s * predicted.isl;
+        let prompt_tok_s = rate * predicted.isl;
         let want_p = (prompt_tok_s / (cap(predicted.isl) * rho_max)).ceil();
 
-        // Decode: the correction compares the measured ITL with the profile at the batch
-        // each worker held (Little's law: requests × output tokens × ITL).
+        // Decode: the correction compares the measured mean ITL with the profile at the batch
+        // each worker held (Little's law: requests × output tokens × mean ITL).
         let ctx = predicted.isl + predicted.osl / 2.0;
-        let d_corr = match (obs.itl_p90_ms, actual.decode) {
-            (Some(m), n) if n > 0 && obs.requests > 0.0 => {
+        let d_corr = match (obs.itl_mean_ms, actual.decode) {
+            (Some(m), n) if n > 0 && obs.finished > 0.0 => {
                 let batch = (rate_now * obs.osl * m / 1e3 / f64::from(n)).max(1.0);
                 clamp_corr(m / self.profile.itl_ms(batch, obs.isl + obs.osl / 2.0))
             }
             _ => 1.0,
         };
         let itl_budget = t.itl_ms / d_corr;
-        let out_tok_s = predicted.requests_per_s * predicted.osl;
-        let (want_d, per_decode) = match self.profile.decode_capacity(ctx, itl_budget) {
-            Some((tok_s, _)) => ((out_tok_s / tok_s).ceil(), Some(tok_s)),
-            // Even one sequence is slower than the budget: as many workers as allowed.
-            None => (f64::from(self.cfg.decode.max), None),
+        let out_tok_s = rate * predicted.osl;
+        let (mut want_d, per_decode, slots) = match self.profile.decode_capacity(ctx, itl_budget) {
+            Some((tok_s, b)) => ((out_tok_s / tok_s).ceil(), Some(tok_s), b),
+            // Even one sequence is slower than the budget: no batch meets it, so each worker
+            // runs one sequence at a time (the target is missed by what one step takes).
+            None => {
+                let one = 1e3 / self.profile.itl_ms(1.0, ctx).max(1e-3);
+                ((out_tok_s / one).ceil(), None, 1.0)
+            }
         };
+        // A request that finds every decode slot taken waits for a sequence to end (seconds,
+        // past any TTFT target), so at most `WAIT_SHARE` of them may: Erlang C over the
+        // pool's slots, each held for the output's length at that batch's ITL.
+        let hold_s = predicted.osl * self.profile.itl_ms(slots, ctx) * d_corr / 1e3;
+        let offered = rate * hold_s;
+        let wait_share = |n: f64| erlang_c(n * slots, offered);
+        // Every request in flight at the frontend needs a slot (a backlog drains only so).
+        want_d = want_d.max(1.0).max((obs.inflight / slots).ceil());
+        while want_d < f64::from(self.cfg.decode.max) && wait_share(want_d) > WAIT_SHARE {
+            want_d += 1.0;
+        }
         let bound = |want: f64, b: Bounds| {
             (want.max(0.0).min(f64::from(u32::MAX)) as u32).clamp(b.min, b.max)
         };
@@ -289,10 +342,10 @@ impl Planner {
         let expected_ttft_ms = idle / (1.0 - rho);
         // The batch each decode worker holds at the target, by Little's law (sequences = rate
         // × output tokens × ITL at that batch), found by iterating to its fixed point.
-        let max_batch = f64::from(*self.profile.batches().last().unwrap_or(&1));
+        let max_batch = self.profile.max_batch(ctx).max(1.0);
         let mut batch = 1.0;
         if target.decode > 0 {
-            let per = predicted.requests_per_s * predicted.osl / 1e3 / f64::from(target.decode);
+            let per = rate * predicted.osl / 1e3 / f64::from(target.decode);
             for _ in 0..64 {
                 let next =
                     (per * self.profile.itl_ms(batch, ctx) * d_corr).clamp(1.0, 4.0 * max_batch);
@@ -308,20 +361,25 @@ impl Planner {
         }
         let _ = write!(
             reason,
-            "next {:.2} req/s × {:.0} prompt / {:.0} output tokens ({}): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured)",
+            "next {:.2} req/s × {:.0} prompt / {:.0} output tokens ({}; {:.2} measured, {:.0} in flight): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured; {:.0} sequences held, {:.0}% wait for a slot)",
             predicted.requests_per_s,
             predicted.isl,
             predicted.osl,
             self.cfg.predictor,
+            rate_now,
+            obs.inflight,
             prompt_tok_s,
             cap(predicted.isl),
             rho_max,
             t0(predicted.isl),
             p_corr,
             out_tok_s,
-            per_decode.map_or("none (one sequence is too slow)".to_string(), |v| format!("{v:.0}")),
+            per_decode
+                .map_or("one sequence each (no batch meets it)".to_string(), |v| format!("{v:.0}")),
             itl_budget,
             d_corr,
+            offered,
+            100.0 * wait_share(f64::from(target.decode)),
         );
         Decision {
             id: self.decisions,
@@ -353,7 +411,7 @@ mod tests {
             simd: "none".into(),
             model: "test".into(),
             block_size: 16,
-            kv_blocks: 4096,
+            kv_blocks: 8192,
             max_batched_tokens: 4096,
             cpu: "test".into(),
         };
@@ -393,6 +451,8 @@ mod tests {
     fn obs(rate: f64, ttft: f64, itl: f64) -> Observation {
         Observation {
             requests: rate * 10.0,
+            finished: rate * 10.0,
+            inflight: 0.0,
             isl: 2000.0,
             osl: 200.0,
             ttft_mean_ms: Some(ttft),
@@ -412,7 +472,7 @@ mod tests {
         // The measured latencies are what the model expects at 2 + 4 workers (ρ = 0.55;
         // batch 20 per decode worker), so there is no correction.
         let ttft = 110.0 / (1.0 - 20_000.0 / 36_363.636_36);
-        let d = p.decide(0.0, &obs(10.0, ttft, 20.0), Replicas { prefill: 2, decode: 4 });
+        let d = p.decide(0.0, 10.0, &obs(10.0, ttft, 20.0), Replicas { prefill: 2, decode: 4 });
         assert!(
             (d.corrections.0 - 1.0).abs() < 1e-6 && (d.corrections.1 - 1.0).abs() < 1e-6,
             "{d:?}"
@@ -424,11 +484,11 @@ mod tests {
         assert!((d.expected_itl_ms - 30.0).abs() < 0.01, "{d:?}");
         assert!((d.expected_ttft_ms - ttft).abs() < 0.01, "{d:?}");
         // No load: back to the minimum; the decode pool only after its cooldown.
-        let d = p.decide(10.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 3 });
+        let d = p.decide(10.0, 10.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 3 });
         assert_eq!(d.desired, Replicas { prefill: 1, decode: 1 });
         assert_eq!(d.target, Replicas { prefill: 1, decode: 3 }, "{}", d.reason);
         assert!(d.reason.contains("decode stays 3 (cooldown"), "{}", d.reason);
-        let d = p.decide(40.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 1, decode: 3 });
+        let d = p.decide(40.0, 10.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 1, decode: 3 });
         assert_eq!(d.target, Replicas { prefill: 1, decode: 1 }, "{}", d.reason);
     }
 
@@ -437,19 +497,73 @@ mod tests {
         let ttft = 110.0 / (1.0 - 20_000.0 / 36_363.636_36);
         let now = Replicas { prefill: 2, decode: 4 };
         let mut p = Planner::new(cfg(), profile()).unwrap();
-        let d = p.decide(0.0, &obs(10.0, ttft, 20.0), now);
+        let d = p.decide(0.0, 10.0, &obs(10.0, ttft, 20.0), now);
         assert_eq!(d.target.decode, 3);
         // Twice the load while four decode workers still run: the pool is held at 3.
-        let d = p.decide(10.0, &obs(20.0, ttft, 20.0), now);
+        let d = p.decide(10.0, 10.0, &obs(20.0, ttft, 20.0), now);
         assert!(d.desired.decode > 4, "{d:?}");
         assert_eq!(d.target.decode, 3, "{}", d.reason);
         assert!(d.reason.contains("decode held at 3 (4 running"), "{}", d.reason);
         // ITL measured at 150 ms where the profile says 85 (batch 75 per worker): the budget
         // shrinks by that factor and more decode workers are asked for than at 20 ms.
         let mut q = Planner::new(cfg(), profile()).unwrap();
-        let slow = q.decide(0.0, &obs(10.0, ttft, 150.0), now);
+        let slow = q.decide(0.0, 10.0, &obs(10.0, ttft, 150.0), now);
         assert!((slow.corrections.1 - 150.0 / 85.0).abs() < 1e-6, "{slow:?}");
-        assert_eq!(slow.desired.decode, 4, "{}", slow.reason);
+        assert!(slow.desired.decode > 3, "{}", slow.reason);
+    }
+
+    #[test]
+    fn erlang_c_matches_known_values() {
+        assert!((erlang_c(2.0, 1.0) - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(erlang_c(4.0, 0.0), 0.0);
+        assert_eq!(erlang_c(4.0, 4.0), 1.0);
+        // One server: the chance to wait is the utilisation.
+        assert!((erlang_c(1.0, 0.7) - 0.7).abs() < 1e-12);
+        // More servers at the same utilisation wait less.
+        assert!(erlang_c(100.0, 80.0) < erlang_c(10.0, 8.0));
+    }
+
+    #[test]
+    fn decode_slots_get_headroom_when_a_worker_holds_few_sequences() {
+        // A KV cache of 7 sequences of ~2,100 tokens per worker (1,024 blocks of 16), each
+        // holding its slot for 200 tokens × 17 ms = 3.4 s. At 1.5 req/s one worker has the
+        // throughput (300 of 412 tok/s) but a third of the requests would wait for a slot
+        // (Erlang C of 7 slots at 5.1 held): two workers. Measured as the model expects
+        // (2 prefill workers at ρ 0.08; 2 decode workers at batch ~1.8 and 11.76 ms).
+        let mut small = profile();
+        small.shape.kv_blocks = 1024;
+        let mut p = Planner::new(cfg(), small).unwrap();
+        let ttft = 110.0 / (1.0 - 1.5 * 2000.0 / 36_363.636_36);
+        let d =
+            p.decide(0.0, 10.0, &obs(1.5, ttft, 11.764_705_88), Replicas { prefill: 2, decode: 2 });
+        assert!((d.corrections.1 - 1.0).abs() < 1e-6, "{d:?}");
+        assert_eq!(d.desired.decode, 2, "{}", d.reason);
+        assert!(erlang_c(7.0, 5.1) > WAIT_SHARE && erlang_c(14.0, 5.1) <= WAIT_SHARE);
+        assert!(d.reason.contains("5 sequences held, 0% wait for a slot"), "{}", d.reason);
+    }
+
+    #[test]
+    fn a_falling_trend_is_not_followed_below_the_measured_load_and_a_backlog_gets_slots() {
+        let mut c = cfg();
+        c.predictor = PredictorKind::Holt { alpha: 0.5, beta: 0.5 };
+        let mut p = Planner::new(c, profile()).unwrap();
+        let now = Replicas { prefill: 2, decode: 4 };
+        for (i, rate) in [12.0, 8.0, 4.0].into_iter().enumerate() {
+            p.decide(10.0 * i as f64, 10.0, &obs(rate, 200.0, 20.0), now);
+        }
+        // The trend says less than 2 req/s next (0 here); 4 were measured: sized for 4 — 800
+        // output tok/s over the 714 a worker gives within the corrected ITL budget (35 ms:
+        // batch 25) is 2 workers, where the trend alone would give the minimum, 1.
+        let d = p.decide(30.0, 10.0, &obs(4.0, 200.0, 20.0), now);
+        assert!(d.predicted.requests_per_s < 2.0, "{d:?}");
+        assert!(d.reason.contains("4.00 measured"), "{}", d.reason);
+        assert!(d.reason.contains("over 714 per worker within ITL 35.0 ms"), "{}", d.reason);
+        assert_eq!(d.desired.decode, 2, "{}", d.reason);
+        // 100 requests in flight at 25 slots a worker: 4 workers, whatever the rate.
+        let mut backlog = obs(4.0, 200.0, 20.0);
+        backlog.inflight = 100.0;
+        let d = p.decide(40.0, 10.0, &backlog, now);
+        assert_eq!(d.desired.decode, 4, "{}", d.reason);
     }
 
     #[test]
@@ -457,10 +571,10 @@ mod tests {
         let mut c = cfg();
         c.prefill = Bounds { min: 2, max: 3 };
         let mut p = Planner::new(c.clone(), profile()).unwrap();
-        let d = p.decide(0.0, &obs(100.0, 200.0, 30.0), Replicas { prefill: 2, decode: 1 });
+        let d = p.decide(0.0, 10.0, &obs(100.0, 200.0, 30.0), Replicas { prefill: 2, decode: 1 });
         assert_eq!(d.desired.prefill, 3);
         let mut fresh = Planner::new(c.clone(), profile()).unwrap();
-        let d2 = fresh.decide(0.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 1 });
+        let d2 = fresh.decide(0.0, 10.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 1 });
         assert_eq!(d2.desired.prefill, 2);
         c.decode = Bounds { min: 3, max: 2 };
         assert!(Planner::new(c, profile()).is_err());
@@ -468,7 +582,7 @@ mod tests {
         c.targets.itl_ms = 0.0;
         assert!(Planner::new(c, profile()).is_err());
         let mut bad = profile();
-        bad.decode.pop();
+        bad.decode.swap(0, 1);
         assert!(matches!(Planner::new(cfg(), bad), Err(PlanError::Profile(_))));
     }
 }

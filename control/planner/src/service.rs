@@ -117,9 +117,15 @@ pub async fn run(
             _ = &mut shutdown => break,
             _ = timer.tick() => {}
         }
-        let result = match fetch(&authority).await {
-            Ok(t) => driver.tick(&t).map_err(|e| e.to_string()),
-            Err(e) => Err(format!("reading http://{authority}/metrics: {e}")),
+        // A frontend that does not answer within an interval is a failed tick, not a stall.
+        let fetched = tokio::select! {
+            _ = &mut shutdown => break,
+            r = tokio::time::timeout(cfg.interval, fetch(&authority)) => r,
+        };
+        let result = match fetched {
+            Ok(Ok(t)) => driver.tick(&t).map_err(|e| e.to_string()),
+            Ok(Err(e)) => Err(format!("reading http://{authority}/metrics: {e}")),
+            Err(_) => Err(format!("http://{authority}/metrics did not answer within the interval")),
         };
         match result {
             Ok(Some(d)) => {

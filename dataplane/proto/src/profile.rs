@@ -66,7 +66,8 @@ pub struct Profile {
     pub reps: u32,
     /// Prompt lengths, ascending.
     pub prefill: Vec<PrefillPoint>,
-    /// A grid: every batch size at every context length, sorted by context then batch.
+    /// Batch sizes at context lengths, sorted by context then batch: at each context the
+    /// batches up to the most that fit the worker's KV cache (or the sweep's largest).
     pub decode: Vec<DecodePoint>,
 }
 
@@ -81,15 +82,22 @@ pub enum ProfileError {
     Invalid(String),
 }
 
+/// The longest prompt or context a profile may hold.
+const MAX_TOKENS: u32 = 10_000_000;
+/// The largest batch a profile may hold (capacity searches walk every batch up to it).
+const MAX_BATCH: u32 = 65_536;
+
 /// The profile format this kvx writes and reads.
 pub const PROFILE_VERSION: u32 = 1;
 
-/// Linear interpolation of `ys` over ascending `xs` at `x`, extended linearly past both ends
-/// by the nearest segment (one point: that value). Never below zero.
+/// Linear interpolation of `ys` over ascending `xs` at `x`: flat below the first point (no
+/// time is known to be shorter than the shortest measured), extended by the last segment
+/// past the end (one point: that value). Never below zero.
 fn lerp(xs: &[f64], ys: &[f64], x: f64) -> f64 {
     match xs.len() {
         0 => 0.0,
         1 => ys[0].max(0.0),
+        _ if x <= xs[0] => ys[0].max(0.0),
         n => {
             let i = xs.partition_point(|&v| v <= x).clamp(1, n - 1);
             let (x0, x1, y0, y1) = (xs[i - 1], xs[i], ys[i - 1], ys[i]);
@@ -118,33 +126,38 @@ impl Profile {
         {
             return bad("a point has a time or rate that is not a positive number");
         }
-        let (batches, contexts) = (self.batches(), self.contexts());
-        if batches.len() * contexts.len() != self.decode.len() {
-            return bad("the decode points are not a full grid of batch sizes and contexts");
+        let sane = |v: u32, most: u32| (1..=most).contains(&v);
+        if self.prefill.iter().any(|p| !sane(p.isl, MAX_TOKENS))
+            || self.decode.iter().any(|p| !sane(p.batch, MAX_BATCH) || !sane(p.context, MAX_TOKENS))
+        {
+            return bad(
+                "a prompt length or context is 0 or above 10,000,000, or a batch 0 or above 65,536",
+            );
         }
-        for (i, p) in self.decode.iter().enumerate() {
-            let (c, b) = (i / batches.len(), i % batches.len());
-            if p.context != contexts[c] || p.batch != batches[b] {
-                return bad("decode points are not sorted by context, then batch size");
-            }
+        if self.decode.windows(2).any(|w| (w[0].context, w[0].batch) >= (w[1].context, w[1].batch))
+        {
+            return bad("decode points are not sorted by context, then batch size");
         }
         Ok(())
     }
 
-    /// The decode grid's batch sizes, ascending.
-    pub fn batches(&self) -> Vec<u32> {
-        let mut b: Vec<u32> = self.decode.iter().map(|p| p.batch).collect();
-        b.sort_unstable();
-        b.dedup();
-        b
-    }
-
-    /// The decode grid's context lengths, ascending.
+    /// The decode points' context lengths, ascending.
     pub fn contexts(&self) -> Vec<u32> {
         let mut c: Vec<u32> = self.decode.iter().map(|p| p.context).collect();
-        c.sort_unstable();
         c.dedup();
         c
+    }
+
+    /// The decode points at one profiled context.
+    fn row(&self, context: u32) -> &[DecodePoint] {
+        let start = self.decode.partition_point(|p| p.context < context);
+        let end = self.decode.partition_point(|p| p.context <= context);
+        &self.decode[start..end]
+    }
+
+    /// KV tokens one worker holds.
+    pub fn kv_tokens(&self) -> f64 {
+        f64::from(self.shape.kv_blocks) * f64::from(self.shape.block_size)
     }
 
     /// Time to first token of a prompt of `isl` tokens on an idle worker, milliseconds.
@@ -160,30 +173,38 @@ impl Profile {
         if t > 0.0 { isl.max(1.0) / t * 1e3 } else { 0.0 }
     }
 
-    /// Inter-token latency at `batch` sequences of `context` tokens, milliseconds: bilinear
-    /// over the grid, linear past its edges.
+    /// Inter-token latency at `batch` sequences of `context` tokens, milliseconds: linear
+    /// over batch at each profiled context, then over context; linear past the edges.
     pub fn itl_ms(&self, batch: f64, context: f64) -> f64 {
-        let (batches, contexts) = (self.batches(), self.contexts());
-        let bx: Vec<f64> = batches.iter().map(|&b| f64::from(b)).collect();
+        let contexts = self.contexts();
         let cx: Vec<f64> = contexts.iter().map(|&c| f64::from(c)).collect();
-        // ITL over batch at each profiled context, then over context.
-        let at_ctx: Vec<f64> = (0..contexts.len())
-            .map(|c| {
-                let row = &self.decode[c * batches.len()..(c + 1) * batches.len()];
+        let at_ctx: Vec<f64> = contexts
+            .iter()
+            .map(|&c| {
+                let row = self.row(c);
+                let xs: Vec<f64> = row.iter().map(|p| f64::from(p.batch)).collect();
                 let ys: Vec<f64> = row.iter().map(|p| p.itl_ms).collect();
-                lerp(&bx, &ys, batch)
+                lerp(&xs, &ys, batch)
             })
             .collect();
         lerp(&cx, &at_ctx, context)
     }
 
+    /// The most sequences of `context` tokens one worker runs: what its KV cache holds, and
+    /// no more than the largest batch the profile measured (the ITL of batches between a
+    /// context's largest measured one and this comes from the context's trend).
+    pub fn max_batch(&self, context: f64) -> f64 {
+        let by_kv = (self.kv_tokens() / context.max(1.0)).floor();
+        let measured = self.decode.iter().map(|p| f64::from(p.batch)).fold(0.0, f64::max);
+        by_kv.min(measured)
+    }
+
     /// The most output tokens per second one worker gives at `context` tokens while its ITL
     /// stays within `itl_ms`, with the batch that gives it; `None` when even one sequence is
-    /// slower than that. Batches are searched up to the largest profiled one.
+    /// slower than that (or none fits).
     pub fn decode_capacity(&self, context: f64, itl_ms: f64) -> Option<(f64, f64)> {
-        let max = f64::from(*self.batches().last()?);
+        let max = self.max_batch(context);
         let mut best: Option<(f64, f64)> = None;
-        // Whole batch sizes from 1 to the grid's largest.
         let mut b = 1.0;
         while b <= max {
             let itl = self.itl_ms(b, context);
@@ -244,7 +265,7 @@ mod tests {
         assert!((p.ttft_ms(100.0) - 20.0).abs() < 1e-9);
         assert!((p.ttft_ms(550.0) - 65.0).abs() < 1e-9);
         assert!((p.ttft_ms(3000.0) - 410.0).abs() < 1e-9, "past the end: the last slope");
-        assert_eq!(p.ttft_ms(0.0), 10.0);
+        assert_eq!(p.ttft_ms(0.0), 20.0, "flat below the shortest prompt");
         assert!((p.prefill_tok_s(1000.0) - 1000.0 / 0.110).abs() < 1e-6);
     }
 
@@ -259,6 +280,13 @@ mod tests {
         assert_eq!(b, 20.0);
         assert!((tok_s - 20.0 / 30.0 * 1e3).abs() < 1e-6);
         assert!(p.decode_capacity(2048.0, 20.5).is_none(), "one sequence takes 21 ms there");
+        // The KV cache (1024 blocks of 16 tokens) holds 8 sequences of 2048 tokens.
+        assert_eq!(p.max_batch(2048.0), 8.0);
+        assert_eq!(p.decode_capacity(2048.0, 100.0).map(|c| c.1), Some(8.0));
+        assert_eq!(p.max_batch(100.0), 32.0, "the most measured");
+        // Between profiled contexts the KV cache decides: 1024 × 16 / 1000 = 16.
+        assert_eq!(p.max_batch(1000.0), 16.0);
+        assert!(p.itl_ms(1.0, 1.0) >= 11.0, "flat below the shortest context and batch");
     }
 
     #[test]
@@ -269,10 +297,13 @@ mod tests {
         q.version = 9;
         assert_eq!(q.validate(), Err(ProfileError::Version(9)));
         let mut q = p.clone();
-        q.decode.pop();
+        q.decode.swap(3, 4);
         assert!(matches!(q.validate(), Err(ProfileError::Invalid(_))));
         let mut q = p.clone();
         q.prefill.swap(0, 1);
+        assert!(matches!(q.validate(), Err(ProfileError::Invalid(_))));
+        let mut q = p.clone();
+        q.decode[5].batch = u32::MAX;
         assert!(matches!(q.validate(), Err(ProfileError::Invalid(_))));
         let mut q = p;
         q.decode[2].itl_ms = f64::NAN;

@@ -10,6 +10,8 @@ use std::time::Instant;
 
 use kvx_engine::{Engine, EngineError};
 use kvx_proto::profile::{DecodePoint, PROFILE_VERSION, PrefillPoint, Profile, WorkerShape};
+
+use crate::setup::{EngineKind, Prepared};
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 
 /// What to sweep.
@@ -17,8 +19,9 @@ use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 pub struct Sweep {
     /// Prompt lengths of the prefill curve, ascending.
     pub prefill_isl: Vec<u32>,
-    /// Batch sizes of the decode grid, ascending.
-    pub batches: Vec<u32>,
+    /// Largest batch of the decode grid; each context gets up to 6 sizes from 1 to this or
+    /// to the most that fit the KV cache.
+    pub max_batch: u32,
     /// Context lengths of the decode grid, ascending.
     pub contexts: Vec<u32>,
     /// Runs per point (the median is kept).
@@ -43,18 +46,56 @@ impl Sweep {
         };
         Sweep {
             prefill_isl: geo(max_isl, 16, 32),
-            batches: geo(max_batch, 6, 1),
+            max_batch: max_batch.max(1),
             contexts: geo(max_context, 6, 64),
             reps: reps.max(1),
             steps: 8,
         }
     }
 
-    /// KV tokens the largest decode point holds.
-    pub fn peak_tokens(&self) -> u64 {
-        let b = u64::from(self.batches.last().copied().unwrap_or(0));
-        let c = u64::from(self.contexts.last().copied().unwrap_or(0));
-        b * (c + u64::from(self.steps) + 2)
+    /// The batch sizes measured at `context` tokens on an engine holding `capacity` KV
+    /// tokens (a geometric series from 1; empty when not even one sequence fits).
+    pub fn batches_at(&self, context: u32, capacity: u64) -> Vec<u32> {
+        let per = u64::from(context) + u64::from(self.steps) + 2 + 16;
+        let fit = (capacity / per.max(1)).min(u64::from(self.max_batch)) as u32;
+        if fit == 0 {
+            return Vec::new();
+        }
+        let mut v: Vec<u32> = (0..6)
+            .map(|i| (f64::from(fit).powf(f64::from(i) / 5.0)).round().max(1.0) as u32)
+            .collect();
+        v.dedup();
+        v
+    }
+}
+
+/// The shape of the worker `prepared` makes engines for, in role `role`, as a profile
+/// records it (the CPU from `/proc/cpuinfo`).
+pub fn shape_of(prepared: &Prepared, role: &str) -> WorkerShape {
+    let setup = prepared.setup();
+    let mocker = setup.kind == EngineKind::Mocker;
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("model name"))?;
+            Some(line.split(':').nth(1)?.trim().to_string())
+        })
+        .unwrap_or_default();
+    WorkerShape {
+        engine: if mocker { "mocker" } else { "model" }.into(),
+        role: role.to_string(),
+        shards: 1,
+        threads_per_shard: setup.threads_per_engine as u32,
+        simd: if mocker { "none".into() } else { setup.kernels.level.name().into() },
+        model: if mocker {
+            format!("mocker (speedup {})", setup.mocker.speedup)
+        } else {
+            prepared.model_label()
+        },
+        block_size: prepared.block_size() as u32,
+        kv_blocks: prepared.kv_blocks() as u32,
+        max_batched_tokens: setup.limits.max_batched_tokens as u32,
+        cpu,
     }
 }
 
@@ -110,13 +151,12 @@ pub fn measure(
     sweep: &Sweep,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Profile, ProfileRunError> {
-    if sweep.peak_tokens() > capacity {
+    if let Some(&c) = sweep.contexts.iter().find(|&&c| sweep.batches_at(c, capacity).is_empty()) {
         return Err(ProfileRunError::Invalid(format!(
-            "the largest decode point needs {} KV tokens; the engine holds {capacity}: fewer sequences or a shorter context",
-            sweep.peak_tokens()
+            "one sequence of {c} tokens does not fit the engine's {capacity} KV tokens: a shorter context"
         )));
     }
-    if sweep.prefill_isl.is_empty() || sweep.batches.is_empty() || sweep.contexts.is_empty() {
+    if sweep.prefill_isl.is_empty() || sweep.contexts.is_empty() {
         return Err(ProfileRunError::Invalid("nothing to measure".into()));
     }
     let mut next_id = 0u64;
@@ -134,6 +174,11 @@ pub fn measure(
             engine.add(&request(id(), prompt, 1))?;
             let t = Instant::now();
             loop {
+                if !engine.has_work() {
+                    return Err(ProfileRunError::Invalid(format!(
+                        "a prompt of {isl} tokens ended without a token"
+                    )));
+                }
                 let out = engine.step()?;
                 if out.events.iter().any(|e| e.token.is_some()) {
                     break;
@@ -151,7 +196,7 @@ pub fn measure(
         let shared: Vec<u32> = (0..u64::from(context.saturating_sub(1)))
             .map(|i| token(u64::from(context) * 31 + i, vocab))
             .collect();
-        for &batch in &sweep.batches {
+        for batch in sweep.batches_at(context, capacity) {
             let mut runs = Vec::new();
             for rep in 0..sweep.reps {
                 let ids: Vec<u64> = (0..batch).map(|_| id()).collect();
@@ -163,6 +208,11 @@ pub fn measure(
                 // Until every sequence has its first token, then time the steps.
                 let mut started = 0usize;
                 while started < ids.len() {
+                    if !engine.has_work() {
+                        return Err(ProfileRunError::Invalid(format!(
+                            "batch {batch} at {context} tokens ended before every sequence started"
+                        )));
+                    }
                     let out = engine.step()?;
                     started += out
                         .events

@@ -545,10 +545,23 @@ async fn session_loop(
     end
 }
 
-/// Completes when the owner says stop.
+/// Completes when the owner says stop, or the worker drains with nothing left to run (its
+/// session ends and the frontend drops it).
 async fn should_stop(ctx: &Ctx) {
     let mut phase = ctx.phase.clone();
-    let _ = phase.wait_for(|p| *p == Phase::Stopping).await;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        let p = *phase.borrow();
+        if p == Phase::Stopping
+            || (p == Phase::Draining && ctx.inflight.load(Ordering::SeqCst) == 0)
+        {
+            return;
+        }
+        tokio::select! {
+            r = phase.changed() => if r.is_err() { return },
+            _ = tick.tick() => {}
+        }
+    }
 }
 
 fn put<T: serde::Serialize>(k: u8, msg: &T, buf: &mut Vec<u8>) {

@@ -555,6 +555,18 @@ impl Prepared {
         limit
     }
 
+    /// The model's name as discovery and profiles record it: its file name and size, or
+    /// `mocker` for mock engines without a model.
+    pub fn model_label(&self) -> String {
+        match &self.setup.model {
+            Some(p) => {
+                let len = std::fs::metadata(p).map_or(0, |m| m.len());
+                format!("{}:{len}", p.file_name().and_then(|f| f.to_str()).unwrap_or("model"))
+            }
+            None => "mocker".to_string(),
+        }
+    }
+
     /// One engine on the calling thread, with its own (unpinned) kernel threads.
     pub fn engine(&self, worker_id: WorkerId) -> Result<Engine, SetupError> {
         if self.setup.tiers.is_some() {

@@ -45,40 +45,42 @@ pub(crate) struct PlannerArgs {
     /// constant, moving-average[:WINDOW], holt[:ALPHA:BETA] or kalman[:Q].
     #[arg(long, env = "KVX_PLANNER_PREDICTOR", default_value = "holt")]
     predictor: PredictorKind,
-    /// Prefill pool bounds.
-    #[arg(long, default_value_t = 1)]
+    /// Fewest prefill workers.
+    #[arg(long, env = "KVX_PLANNER_MIN_PREFILL", default_value_t = 1)]
     min_prefill: u32,
-    #[arg(long, default_value_t = 8)]
+    /// Most prefill workers.
+    #[arg(long, env = "KVX_PLANNER_MAX_PREFILL", default_value_t = 8)]
     max_prefill: u32,
-    /// Decode pool bounds.
-    #[arg(long, default_value_t = 1)]
+    /// Fewest decode workers.
+    #[arg(long, env = "KVX_PLANNER_MIN_DECODE", default_value_t = 1)]
     min_decode: u32,
-    #[arg(long, default_value_t = 8)]
+    /// Most decode workers.
+    #[arg(long, env = "KVX_PLANNER_MAX_DECODE", default_value_t = 8)]
     max_decode: u32,
     /// Seconds after a pool's change before it may shrink.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, env = "KVX_PLANNER_COOLDOWN", default_value_t = 120.0)]
     cooldown: f64,
     /// Where decisions go.
-    #[arg(long, value_enum, default_value = "local")]
+    #[arg(long, value_enum, env = "KVX_PLANNER_CONNECTOR", default_value = "local")]
     connector: ConnectorArg,
     /// Local: the arguments of every worker after `kvx worker` (split on spaces; the planner
     /// adds `--role`), e.g. "--frontend 127.0.0.1:7100 --engine mocker".
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, env = "KVX_PLANNER_WORKER_ARGS", allow_hyphen_values = true)]
     worker_args: Option<String>,
     /// Local: a directory for the workers' logs.
-    #[arg(long)]
+    #[arg(long, env = "KVX_PLANNER_WORKER_LOGS")]
     worker_logs: Option<PathBuf>,
     /// Virtual: the decision file written.
-    #[arg(long)]
+    #[arg(long, env = "KVX_PLANNER_DECISION_FILE")]
     decision_file: Option<PathBuf>,
     /// Virtual: the acknowledgement file read (`{"scaled_decision_id": N}`).
-    #[arg(long)]
+    #[arg(long, env = "KVX_PLANNER_ACK_FILE")]
     ack_file: Option<PathBuf>,
     /// Where the planner's /metrics listens.
     #[arg(long, env = "KVX_PLANNER_METRICS", default_value = "127.0.0.1:0")]
     metrics_listen: SocketAddr,
     /// Also append every decision (JSON lines) to this file.
-    #[arg(long)]
+    #[arg(long, env = "KVX_PLANNER_DECISIONS")]
     decisions: Option<PathBuf>,
     /// Stop after this many decisions.
     #[arg(long)]

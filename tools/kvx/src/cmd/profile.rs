@@ -6,8 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvx_proto::profile::WorkerShape;
-use kvx_worker::profile::{Sweep, measure};
+use kvx_worker::profile::{Sweep, measure, shape_of};
 use kvx_worker::{EngineKind, MockerSetup};
 
 use super::Runtime;
@@ -71,8 +70,7 @@ pub(crate) fn run(args: ProfileArgs, rt: &Runtime) -> Result<()> {
         Some(m) => m.cfg.n_vocab as u32,
         None => vocab as u32,
     };
-    let block_size = prepared.block_size();
-    let capacity = (prepared.kv_blocks() * block_size) as u64;
+    let capacity = (prepared.kv_blocks() * prepared.block_size()) as u64;
     let limit = prepared.context_limit();
     if args.max_isl as usize + 1 > limit || args.max_context as usize + 16 > limit {
         bail!(
@@ -81,33 +79,7 @@ pub(crate) fn run(args: ProfileArgs, rt: &Runtime) -> Result<()> {
             args.max_context
         );
     }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_default();
-    let shape = WorkerShape {
-        engine: if mocker { "mocker" } else { "model" }.into(),
-        role: format!("{:?}", args.role).to_lowercase(),
-        shards: 1,
-        threads_per_shard: setup.threads_per_engine as u32,
-        simd: if mocker { "none".into() } else { setup.kernels.level.name().into() },
-        model: match &setup.model {
-            Some(p) => {
-                let len = std::fs::metadata(p).map_or(0, |m| m.len());
-                format!("{}:{len}", p.file_name().and_then(|f| f.to_str()).unwrap_or("model"))
-            }
-            None => format!("mocker (speedup {})", args.speedup_ratio),
-        },
-        block_size: block_size as u32,
-        kv_blocks: prepared.kv_blocks() as u32,
-        max_batched_tokens: setup.limits.max_batched_tokens as u32,
-        cpu,
-    };
+    let shape = shape_of(&prepared, &format!("{:?}", args.role).to_lowercase());
     let mut make = || prepared.engine(0).map_err(|e| e.to_string());
     let profile =
         measure(&mut make, vocab, capacity, shape, &sweep, &mut |line| eprintln!("{line}"))?;

@@ -167,18 +167,12 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         max_model_len: Some(args.mocker_max_model_len),
     };
     let (n, first) = (setup.engines, setup.first_worker_id);
-    let fingerprint = match &setup.model {
-        Some(p) => {
-            let len = std::fs::metadata(p).map_or(0, |m| m.len());
-            format!("{}:{len}", p.file_name().and_then(|f| f.to_str()).unwrap_or("model"))
-        }
-        None => "mocker".to_string(),
-    };
     let etcd = args.discovery.etcd()?;
     if etcd.is_some() && args.listen.is_none() {
         bail!("--discovery etcd needs --listen ADDR (the address frontends dial)");
     }
     let prepared = setup.prepare()?;
+    let fingerprint = prepared.model_label();
     let started = prepared.start()?;
     let cfg = RemoteConfig {
         model: name.clone(),
