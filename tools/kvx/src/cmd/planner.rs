@@ -113,6 +113,9 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
             let Some(wa) = &args.worker_args else {
                 bail!("--connector local needs --worker-args")
             };
+            if wa.split_whitespace().any(|a| a == "--role" || a.starts_with("--role=")) {
+                bail!("--worker-args must not set --role: the planner gives each worker its role");
+            }
             let mut argv = vec!["worker".to_string()];
             argv.extend(wa.split_whitespace().map(str::to_string));
             if let Some(d) = &args.worker_logs {
