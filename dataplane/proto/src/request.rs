@@ -127,6 +127,32 @@ pub struct GenerateRequest {
     pub fork: Option<Fork>,
 }
 
+impl GenerateRequest {
+    /// A request of `prompt` with these sampling options and stop conditions, and nothing
+    /// else asked for (no log-probabilities, salt, KV role, resumed tokens, constraint or
+    /// fork).
+    pub fn new(
+        id: RequestId,
+        prompt: Vec<TokenId>,
+        sampling: SamplingOptions,
+        stop: StopConditions,
+    ) -> Self {
+        GenerateRequest {
+            id,
+            prompt,
+            sampling,
+            stop,
+            logprobs: None,
+            salt: None,
+            kv: KvRole::default(),
+            resume: Vec::new(),
+            constraint: None,
+            prompt_logprobs: None,
+            fork: None,
+        }
+    }
+}
+
 /// A request's part among the choices of one prompt. The leader computes the prompt; a
 /// follower sent to the engine that holds the leader starts from the leader's computed
 /// prompt (its blocks shared, its last partial block copied, its first token drawn from the

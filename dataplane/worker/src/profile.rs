@@ -125,19 +125,12 @@ fn token(i: u64, vocab: u32) -> u32 {
 }
 
 fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        id: RequestId(id),
+    GenerateRequest::new(
+        RequestId(id),
         prompt,
-        sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
-        stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
-        logprobs: None,
-        salt: None,
-        kv: Default::default(),
-        resume: Vec::new(),
-        constraint: None,
-        prompt_logprobs: None,
-        fork: None,
-    }
+        SamplingOptions { temperature: 0.0, ..Default::default() },
+        StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
+    )
 }
 
 /// Measures `sweep` on engines from `make` (a fresh one per prefill run and per decode

@@ -47,19 +47,12 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
         // A fresh engine per test: nothing cached, like a new llama.cpp context.
         let mut engine = prepared.engine(0)?;
         id += 1;
-        let req = GenerateRequest {
-            id: RequestId(id),
+        let req = GenerateRequest::new(
+            RequestId(id),
             prompt,
-            sampling: SamplingOptions { temperature: 0.0, ..Default::default() },
-            stop: StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
-            logprobs: None,
-            salt: None,
-            kv: Default::default(),
-            resume: Vec::new(),
-            constraint: None,
-            prompt_logprobs: None,
-            fork: None,
-        };
+            SamplingOptions { temperature: 0.0, ..Default::default() },
+            StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
+        );
         engine.add(&req)?;
         let start = Instant::now();
         let mut first = None;

@@ -178,23 +178,16 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
     let mut done = 0;
     while done < prompts.len() {
         while next < prompts.len() && by_id.len() < concurrency {
-            let req = GenerateRequest {
-                id: RequestId(next as u64 + 1),
-                prompt: prompts[next].clone(),
-                sampling: sampling.clone(),
-                stop: StopConditions {
+            let req = GenerateRequest::new(
+                RequestId(next as u64 + 1),
+                prompts[next].clone(),
+                sampling.clone(),
+                StopConditions {
                     max_tokens: args.max_tokens as u32,
                     ignore_eos: args.ignore_eos,
                     ..Default::default()
                 },
-                logprobs: None,
-                salt: None,
-                kv: Default::default(),
-                resume: Vec::new(),
-                constraint: None,
-                prompt_logprobs: None,
-                fork: None,
-            };
+            );
             engine.add(&req).map_err(|e| anyhow::anyhow!("prompt {next}: {e}"))?;
             by_id.insert(req.id, jobs.len());
             jobs.push(Job {
