@@ -12,34 +12,44 @@
 #   peak     the smallest static fleet (prefill + decode mock workers) that meets both targets
 #            at the peak rate (16 req/s for --peak-secs): from the planner's largest pools, the
 #            fewest decode workers that hold the targets (doubling, then bisection), then the
-#            fewest prefill workers.
+#            fewest prefill workers. --static P+D takes a fleet found so by an earlier run
+#            instead of searching again.
 #   static   that fleet under the same trace, the planner only observing (its pools fixed).
 #
 # Per interval the targets are judged on the frontend's own TTFT and ITL histograms (the p90
 # of that interval, as the planner observes them); the first two intervals are not judged.
 # Worker-seconds: each interval's running workers x its length (planner), the fleet's size x
-# the trace's length (static). Writes $OUT/report.html (replicas and load over time, SVG).
+# the trace's length (static). The bound: the worker-seconds of a planner that knew each
+# interval's highest rate beforehand and sized both pools for it by the planner's own model
+# (the profile's prefill rate at rho <= 1 - TTFT/target; decode slots with at most 10% of
+# requests waiting, Erlang C). Writes $OUT/report.html (replicas and load over time, SVG).
 #
-# Usage: bench/scripts/planner_load.sh [--out DIR] [--interval S] [--scale F] [--peak-secs S]
+# Usage: bench/scripts/planner_load.sh [--out DIR] [--interval S] [--cooldown S]
+#          [--lookahead N] [--scale F] [--peak-secs S] [--static P+D]
 # Environment: KVX (binary, default target/release/kvx), KVX_HOME (model store).
 set -euo pipefail
 
-OUT=/tmp/kvx-planner INTERVAL=20 SCALE=1 PEAK_SECS=60
+OUT=/tmp/kvx-planner INTERVAL=20 SCALE=1 PEAK_SECS=60 COOLDOWN="" LOOKAHEAD=1.5 STATIC=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
     --interval) INTERVAL=$2; shift 2 ;;
+    --cooldown) COOLDOWN=$2; shift 2 ;;
+    --lookahead) LOOKAHEAD=$2; shift 2 ;;
+    --static) STATIC=$2; shift 2 ;;
     --scale) SCALE=$2; shift 2 ;;
     --peak-secs) PEAK_SECS=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+COOLDOWN=${COOLDOWN:-$INTERVAL}
 HERE=$(cd "$(dirname "$0")" && pwd)
 KVX=${KVX:-$HERE/../../target/release/kvx}
 GGUF=$("$KVX" model path smollm2-135m-instruct-q4_1)
 mkdir -p "$OUT"
 PIDS=()
 stop_all() {
+  local p
   for p in ${PIDS[@]+"${PIDS[@]}"}; do kill "$p" 2>/dev/null || true; done
   for p in ${PIDS[@]+"${PIDS[@]}"}; do wait "$p" 2>/dev/null || true; done
   PIDS=()
@@ -98,7 +108,7 @@ planner() {
   local name=$1; shift
   rm -f "$OUT/decisions-$name.jsonl"
   "$KVX" planner --frontend "http://$FE" --profile "$OUT/profile.json" "${TARGETS[@]}" \
-    --planner-interval "$INTERVAL" --cooldown "$(python3 -c "print(2 * $INTERVAL)")" \
+    --planner-interval "$INTERVAL" --cooldown "$COOLDOWN" --lookahead "$LOOKAHEAD" \
     --decisions "$OUT/decisions-$name.jsonl" "$@" >"$OUT/planner-$name.log" 2>&1 & PIDS+=($!)
 }
 # static_fleet P D: P prefill and D decode mock workers (one process each).
@@ -127,6 +137,10 @@ replay planner
 stop_all
 
 echo "== peak: the smallest static fleet meeting both targets at 16 req/s"
+if [ -n "$STATIC" ]; then
+  P=${STATIC%+*} D=${STATIC#*+}
+  echo "  taken from --static: $P prefill + $D decode (not searched in this run)"
+else
 read -r P D < <(python3 -c "
 import json
 ds = [json.loads(l) for l in open('$OUT/decisions-planner.jsonl')]
@@ -157,6 +171,7 @@ while [ $((D - LO)) -gt 1 ]; do
   if meets "$P" "$MID"; then D=$MID; else LO=$MID; fi
 done
 while [ "$P" -gt 1 ] && meets $((P - 1)) "$D"; do P=$((P - 1)); done
+fi
 echo "smallest static fleet: $P prefill + $D decode"
 
 echo "== static: the trace through $P prefill + $D decode workers"
@@ -166,9 +181,10 @@ observe static "$P" "$D"
 replay static
 stop_all
 
-python3 - "$OUT" "$INTERVAL" "$P" "$D" "$TRACE_SECS" <<'EOF'
-import json, sys
+python3 - "$OUT" "$INTERVAL" "$P" "$D" "$TRACE_SECS" "$SCALE" <<'EOF'
+import json, math, sys
 out, interval, p, d, secs = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+scale = float(sys.argv[6])
 def load(name):
     return [json.loads(l) for l in open(f"{out}/decisions-{name}.jsonl")]
 def judge(ds):
@@ -191,6 +207,47 @@ static_ws = (p + d) * secs
 print(f"static fleet {p}+{d} over the {secs:.0f} s trace: {static_ws:.0f} worker-seconds; "
       f"planner / static = {rows['planner'][2] / static_ws:.2f} (bar <= 0.65); "
       f"planner intervals meeting both: {100 * rows['planner'][0] / max(rows['planner'][1], 1):.0f}% (bar >= 90%)")
+# The bound: each interval sized beforehand for its highest rate by the planner's model.
+prof = json.load(open(f"{out}/profile.json"))
+ISL, OSL, TTFT = 2000.0, 200.0, 500.0
+def lerp(xs, ys, x):
+    if x <= xs[0]: return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]: return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[-1]
+ttft0 = lerp([q["isl"] for q in prof["prefill"]], [q["ttft_ms"] for q in prof["prefill"]], ISL)
+ctx = ISL + OSL / 2
+rows_ctx = sorted({q["context"] for q in prof["decode"]}, key=lambda c: abs(c - ctx))[0]
+dec = sorted((q["batch"], q["itl_ms"]) for q in prof["decode"] if q["context"] == rows_ctx)
+sh = prof["shape"]
+slots = max(1, min(sh["kv_blocks"] * sh["block_size"] // int(ISL + OSL), dec[-1][0]))
+hold = OSL * lerp([b for b, _ in dec], [v for _, v in dec], slots) / 1e3
+def erlang_c(n, a):
+    if a <= 0: return 0.0
+    if a >= n: return 1.0
+    b = 1.0
+    for k in range(1, n + 1): b = a * b / (k + a * b)
+    return n * b / (n - a * (1 - b))
+def need(r):
+    n = 1
+    while erlang_c(n * slots, r * hold) > 0.1: n += 1
+    rho = min(0.95, max(0.05, 1 - ttft0 / TTFT))  # as the planner bounds it
+    return n + max(1, math.ceil(r * ttft0 / 1e3 / rho))
+up, down, sine, period = 240 * scale, 120 * scale, 240 * scale, 240 * scale
+def rate(t):
+    if t < up: return 1 + 15 * t / up
+    t -= up
+    if t < down: return 16 - 14 * t / down
+    t -= down
+    return 9 - 7 * math.cos(2 * math.pi * t / period)
+bound, t = 0.0, 0.0
+while t < secs:
+    end = min(secs, t + interval)
+    bound += need(max(rate(t + k * (end - t) / 50) for k in range(51))) * (end - t)
+    t = end
+print(f"bound: a planner knowing each {interval:.0f} s interval's highest rate beforehand needs "
+      f"{bound:.0f} worker-seconds = {bound / static_ws:.2f} of the static fleet "
+      f"({slots} sequences of {hold:.1f} s per decode worker, idle TTFT {ttft0:.0f} ms)")
 # The report: replicas and load over time.
 ds = rows["planner"][3]
 W, H, L, T, B = 900, 320, 60, 30, 40

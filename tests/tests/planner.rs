@@ -1,7 +1,7 @@
-//! The SLA planner end to end: `kvx profile` measures a mock engine, `kvx planner` reads a
-//! real `kvx frontend`'s /metrics and, through its local connector, starts `kvx worker
-//! --engine mocker` processes; under load the decode pool grows, after it the pool drains
-//! back to its minimum while a stream still runs, and no request fails.
+//! The SLA planner end to end: `kvx profile` measures an engine (the mocker; the real model),
+//! `kvx planner` reads a real `kvx frontend`'s /metrics and, through its local connector,
+//! starts `kvx worker` processes of that engine; under load the decode pool grows, after it
+//! the pool drains back to its minimum while a stream still runs, and no request fails.
 
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,13 @@ fn decode_up(f: &Frontend) -> usize {
 }
 
 /// Runs `kvx bench` closed-loop against `addr`; its JSON report.
-fn bench(addr: &str, streams: &str, secs: &str, out: &std::path::Path) -> serde_json::Value {
+fn bench(
+    addr: &str,
+    streams: &str,
+    secs: &str,
+    (isl, osl): (&str, &str),
+    out: &std::path::Path,
+) -> serde_json::Value {
     let model = test_model().to_string_lossy().into_owned();
     let url = format!("http://{addr}");
     let o = kvx(&[
@@ -39,9 +45,9 @@ fn bench(addr: &str, streams: &str, secs: &str, out: &std::path::Path) -> serde_
         "--duration",
         secs,
         "--input-tokens",
-        "256",
+        isl,
         "--output-tokens",
-        "64",
+        osl,
         "--ignore-eos",
         "--tokenizer",
         &model,
@@ -55,37 +61,51 @@ fn bench(addr: &str, streams: &str, secs: &str, out: &std::path::Path) -> serde_
     v["runs"][0].clone()
 }
 
-#[test]
-fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
-    let dir = std::env::temp_dir().join(format!("kvx-planner-e2e-{}", std::process::id()));
+/// One scenario: what the engine is and how hard to push it.
+struct Scenario<'a> {
+    name: &'a str,
+    /// `kvx profile` and `kvx worker` engine flags.
+    engine: &'a [&'a str],
+    /// The profile's sweep.
+    sweep: [&'a str; 3],
+    /// ITL target over the profile's ITL of one sequence at the shortest context.
+    itl_over_one: f64,
+    /// Heavy streams and seconds, the light stream's seconds; prompt and output tokens.
+    heavy: (&'a str, &'a str),
+    light_secs: &'a str,
+    lengths: (&'a str, &'a str),
+}
+
+/// Profiles the engine, starts a frontend and a planner (local connector, 1 to 2 prefill and
+/// 1 to 3 decode workers), pushes the heavy load until the decode pool has grown, then one
+/// stream while it drains back to one worker; no request of either fails.
+fn scales_up_and_back(sc: &Scenario<'_>) {
+    // One scenario at a time: each sizes pools from latencies the other would disturb.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("kvx-planner-{}-{}", sc.name, std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let profile = dir.join("profile.json");
     let p = profile.to_string_lossy().into_owned();
-    kvx_ok(&[
-        "profile",
-        "--engine",
-        "mocker",
-        "--out",
-        &p,
-        "--max-isl",
-        "1024",
-        "--max-batch",
-        "16",
-        "--max-context",
-        "1024",
-        "--reps",
-        "1",
-    ]);
+    let mut args = vec!["profile", "--out", &p, "--reps", "1"];
+    args.extend_from_slice(sc.engine);
+    for (flag, v) in ["--max-isl", "--max-batch", "--max-context"].iter().zip(sc.sweep) {
+        args.extend_from_slice(&[flag, v]);
+    }
+    kvx_ok(&args);
+    let prof: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    let one = prof["decode"][0]["itl_ms"].as_f64().unwrap();
+    let itl = format!("{:.2}", one * sc.itl_over_one);
     let f = Frontend::start(&FAST_HEARTBEAT);
     let frontend = format!("http://{}", f.addr);
     let worker_args = format!(
-        "--frontend {} --engine mocker --heartbeat-ms 200 --heartbeat-timeout-ms 1000 --shutdown-grace 20",
-        f.workers
+        "--frontend {} {} --heartbeat-ms 200 --heartbeat-timeout-ms 1000 --shutdown-grace 20",
+        f.workers,
+        sc.engine.join(" ")
     );
     let logs = dir.join("logs").to_string_lossy().into_owned();
-    // An ITL target just above one mock sequence's step: one decode worker cannot hold 16
-    // streams within it.
     let mut planner = PlannerProc::start(&[
         "--frontend",
         &frontend,
@@ -104,9 +124,9 @@ fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
         "--predictor",
         "constant",
         "--ttft",
-        "500",
+        "5000",
         "--itl",
-        "6.2",
+        &itl,
         "--max-decode",
         "3",
         "--max-prefill",
@@ -115,20 +135,25 @@ fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
     f.wait_workers(2);
     assert_eq!(decode_up(&f), 1);
 
-    let heavy = bench(&f.addr, "16", "14", &dir.join("heavy.json"));
+    let heavy = bench(&f.addr, sc.heavy.0, sc.heavy.1, sc.lengths, &dir.join("heavy.json"));
     let decisions = planner.poll().to_vec();
     let most = decisions.iter().filter_map(|d| d["target"]["decode"].as_u64()).max();
-    assert!(most >= Some(2), "the decode pool never grew: {decisions:#?}");
+    assert!(most >= Some(2), "the decode pool never grew (ITL target {itl} ms): {decisions:#?}");
     let grew = decisions.iter().find(|d| d["target"]["decode"].as_u64() >= Some(2)).unwrap();
     assert!(grew["reason"].as_str().unwrap().contains("decode 1→"), "{grew}");
     assert_eq!(heavy["errors"], serde_json::json!({}), "{heavy}");
+    let end = Instant::now() + Duration::from_secs(60);
+    while decode_up(&f) < 2 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(decode_up(&f) >= 2, "a second decode worker never came up: {:#?}", planner.poll());
 
     // One stream while the pool shrinks back (after the cooldown): the drained workers finish
     // what they run, so its requests complete.
-    let light = bench(&f.addr, "1", "16", &dir.join("light.json"));
+    let light = bench(&f.addr, "1", sc.light_secs, sc.lengths, &dir.join("light.json"));
     assert_eq!(light["errors"], serde_json::json!({}), "{light}");
     assert!(light["requests"]["completed"].as_u64() > Some(3), "{light}");
-    let end = Instant::now() + Duration::from_secs(30);
+    let end = Instant::now() + Duration::from_secs(60);
     while decode_up(&f) != 1 && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -142,5 +167,121 @@ fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
     // Stopping the planner stops its workers.
     assert!(planner.terminate(Duration::from_secs(30)).is_some_and(|s| s.success()));
     f.wait_workers(0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Mock workers: an ITL target just above one mock sequence's step, so one decode worker
+/// cannot hold 16 streams within it.
+#[test]
+fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
+    scales_up_and_back(&Scenario {
+        name: "mocker",
+        engine: &["--engine", "mocker"],
+        sweep: ["1024", "16", "1024"],
+        itl_over_one: 1.03,
+        heavy: ("16", "14"),
+        light_secs: "16",
+        lengths: ("256", "64"),
+    });
+}
+
+/// The real engine on the default model: decode workers go from one to two under four
+/// streams whose batch one worker cannot hold within an ITL target 20% above one sequence's
+/// step, and back to one under a single stream; no request fails across either change.
+#[test]
+fn the_planner_scales_real_decode_workers_from_one_to_two_and_back() {
+    let model = test_model().to_string_lossy().into_owned();
+    scales_up_and_back(&Scenario {
+        name: "model",
+        engine: &["--engine", "model", "--model", &model],
+        sweep: ["256", "8", "256"],
+        itl_over_one: 1.2,
+        heavy: ("4", "20"),
+        light_secs: "20",
+        lengths: ("96", "32"),
+    });
+}
+
+/// `kvx configure --profile` over a mock worker's profile writes settings that `kvx serve`
+/// runs as they stand (the shards of the chosen layout, the mocker's blocks and speed), and
+/// the served layout answers.
+#[test]
+fn configure_writes_a_layout_that_serve_runs() {
+    let dir = std::env::temp_dir().join(format!("kvx-configure-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("mock.json").to_string_lossy().into_owned();
+    kvx_ok(&[
+        "profile",
+        "--engine",
+        "mocker",
+        "--out",
+        &p,
+        "--max-isl",
+        "512",
+        "--max-batch",
+        "8",
+        "--max-context",
+        "512",
+        "--reps",
+        "1",
+        "--speedup-ratio",
+        "10",
+        "--mocker-blocks",
+        "256",
+    ]);
+    let env = dir.join("kvx.env").to_string_lossy().into_owned();
+    let json = dir.join("layouts.json").to_string_lossy().into_owned();
+    let home = std::env::var("KVX_HOME").unwrap_or_else(|_| dir.to_string_lossy().into_owned());
+    let out = kvx(&[
+        "configure",
+        "--profile",
+        &p,
+        "--isl",
+        "256",
+        "--osl",
+        "32",
+        "--ttft",
+        "500",
+        "--itl",
+        "50",
+        "--cores",
+        "4",
+        "--home-dir",
+        &home,
+        "--kv-disk-dir",
+        "none",
+        "--no-kv-host",
+        "--listen-port",
+        "0",
+        "--out",
+        &env,
+        "--json",
+        &json,
+    ]);
+    let report = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{report}");
+    assert!(report.contains("Pareto front") && report.contains("Best: "), "{report}");
+    let layouts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(layouts["points"].as_array().unwrap().len() > 10, "{layouts}");
+    let text = std::fs::read_to_string(&env).unwrap();
+    let vars: Vec<(String, String)> = text
+        .lines()
+        .filter(|l| l.starts_with("KVX_"))
+        .filter_map(|l| l.split_once('=').map(|(k, v)| (k.into(), v.trim_matches('\'').into())))
+        .collect();
+    let get = |k: &str| vars.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+    assert_eq!(get("KVX_ENGINE"), Some("mocker"), "{text}");
+    assert_eq!(get("KVX_SPEEDUP_RATIO"), Some("10"), "{text}");
+    assert_eq!(get("KVX_MOCKER_BLOCKS"), Some("256"), "{text}");
+    let roles = get("KVX_PREFILL_SHARDS").is_some() && get("KVX_DECODE_SHARDS").is_some();
+    assert!(roles != get("KVX_SHARDS").is_some(), "one layout's shards: {text}");
+    let env: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let served = kvx_e2e::serve::Served::start_env(&["--mocker-vocab", "49152"], &env);
+    let body = r#"{"prompt": "Hello there", "max_tokens": 8, "ignore_eos": true}"#;
+    let r = http(&served.addr, "POST", "/v1/completions", &[], Some(body.as_bytes()));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 8, "{}", r.text());
     let _ = std::fs::remove_dir_all(&dir);
 }

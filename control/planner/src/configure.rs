@@ -2,10 +2,10 @@
 //! the `KVX_*` environment file the systemd units read or as the `config:` map of the Helm
 //! chart's values. Every setting carries the one-line reason it has its value.
 //!
-//! What it decides today: the process layout (one-host `serve`, a `frontend`, or a `worker` of
-//! a role), one engine shard per core, the host KV tier from the memory left over, the disk
-//! tier's place, discovery and the listening address. Sizing the prefill and decode pools to
-//! TTFT/ITL targets from a profile belongs to the SLA planner, which is not built yet.
+//! What it decides: the process layout (one-host `serve`, a `frontend`, or a `worker` of a
+//! role), one engine shard per core, the host KV tier from the memory left over, the disk
+//! tier's place, discovery and the listening address. With profiles, the layout search of
+//! [`crate::layouts`] replaces the shards with the best layout's pools.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -294,6 +294,48 @@ fn gib(b: u64) -> f64 {
 }
 
 impl Settings {
+    /// Sets `setting`, in place of one with its key (a layout's shards replace the
+    /// one-shard-per-core default; the shards of a role and `KVX_SHARDS` exclude each other).
+    pub fn set(&mut self, setting: Setting) {
+        if matches!(setting.key, "KVX_PREFILL_SHARDS" | "KVX_DECODE_SHARDS") {
+            self.settings.retain(|s| s.key != "KVX_SHARDS");
+        }
+        match self.settings.iter_mut().find(|s| s.key == setting.key) {
+            Some(s) => *s = setting,
+            None => self.settings.push(setting),
+        }
+    }
+
+    /// Applies a layout's settings ([`crate::layouts::Search::settings`]): each replaces its
+    /// key, and the host KV tier, sized per shard for one shard per core, is sized again for
+    /// the layout's shards (the same memory over them).
+    pub fn apply_layout(&mut self, layout: Vec<Setting>) {
+        let shards = |set: &Self| -> u64 {
+            let get = |k: &str| {
+                set.settings.iter().find(|s| s.key == k).and_then(|s| s.value.parse::<u64>().ok())
+            };
+            get("KVX_SHARDS")
+                .unwrap_or_else(|| {
+                    get("KVX_PREFILL_SHARDS").unwrap_or(0) + get("KVX_DECODE_SHARDS").unwrap_or(0)
+                })
+                .max(1)
+        };
+        let before = shards(self);
+        for s in layout {
+            self.set(s);
+        }
+        let after = shards(self);
+        let tier = self.settings.iter_mut().find(|s| s.key == "KVX_KV_HOST_BYTES");
+        if let Some((t, per)) = tier.and_then(|t| t.value.parse::<u64>().ok().map(|v| (t, v))) {
+            let all = per.saturating_mul(before);
+            t.value = ((all / after) & !((1 << 20) - 1)).to_string();
+            t.why = format!(
+                "host KV tier per shard: {} MiB over the layout's {after} shards",
+                all >> 20
+            );
+        }
+    }
+
     fn header(&self) -> String {
         let s = &self.shape;
         let mut h = format!(
@@ -407,6 +449,22 @@ mod tests {
 
     fn get<'a>(s: &'a Settings, key: &str) -> Option<&'a str> {
         s.settings.iter().find(|x| x.key == key).map(|x| x.value.as_str())
+    }
+
+    /// A layout's shards replace one shard per core; the host tier's memory is spread over
+    /// them; shards of roles and `KVX_SHARDS` never stand together.
+    #[test]
+    fn a_layout_replaces_the_shards_and_resizes_the_host_tier() {
+        let shape = HostShape::from_meminfo(MEMINFO, 8).unwrap();
+        let mut s = plan(shape, &req(Layout::Serve)).unwrap();
+        let per8: u64 = get(&s, "KVX_KV_HOST_BYTES").unwrap().parse().unwrap();
+        let set = |key: &'static str, v: &str| Setting { key, value: v.into(), why: String::new() };
+        s.apply_layout(vec![set("KVX_PREFILL_SHARDS", "1"), set("KVX_DECODE_SHARDS", "3")]);
+        assert_eq!(get(&s, "KVX_SHARDS"), None);
+        assert_eq!(get(&s, "KVX_DECODE_SHARDS"), Some("3"));
+        let per4: u64 = get(&s, "KVX_KV_HOST_BYTES").unwrap().parse().unwrap();
+        assert_eq!(per4, (per8 * 8 / 4) & !((1 << 20) - 1));
+        assert_eq!(s.settings.iter().filter(|x| x.key == "KVX_DECODE_SHARDS").count(), 1);
     }
 
     #[test]

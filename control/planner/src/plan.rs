@@ -89,6 +89,11 @@ pub struct PlannerConfig {
     pub cooldown: Duration,
     /// The most a correction factor may be (and one over the least).
     pub max_correction: f64,
+    /// How many intervals past the last observation the pools are sized for. An
+    /// observation is the mean of the interval just ended, half an interval before the
+    /// decision; 1.5 sizes for the end of the next interval, so a rising trend is met where
+    /// it will be rather than where it was.
+    pub lookahead: f64,
 }
 
 impl Default for PlannerConfig {
@@ -101,6 +106,7 @@ impl Default for PlannerConfig {
             predictor: PredictorKind::Holt { alpha: 0.5, beta: 0.3 },
             cooldown: Duration::from_secs(120),
             max_correction: 4.0,
+            lookahead: 1.5,
         }
     }
 }
@@ -134,6 +140,9 @@ impl PlannerConfig {
         }
         if self.max_correction.is_nan() || self.max_correction < 1.0 {
             return bad("the correction bound must be at least 1".into());
+        }
+        if !(0.0..=16.0).contains(&self.lookahead) {
+            return bad("the lookahead must be between 0 and 16 intervals".into());
         }
         Ok(())
     }
@@ -243,9 +252,11 @@ impl Planner {
         let t = self.cfg.targets;
         let clamp_corr = |c: f64| c.clamp(1.0 / self.cfg.max_correction, self.cfg.max_correction);
         let rate_now = obs.requests / secs;
-        // The pools are sized for the larger of the prediction and what was just measured: a
-        // trend that turns is not followed below the demand already there.
-        let rate = predicted.requests_per_s.max(rate_now);
+        // The pools are sized for the larger of the rate expected `lookahead` intervals on and
+        // what was just measured: a trend that turns is not followed below the demand
+        // already there.
+        let ahead = self.requests.predict_ahead(self.cfg.lookahead);
+        let rate = ahead.max(rate_now);
 
         // Prefill: the correction compares the measured TTFT with the model at the measured
         // utilisation.
@@ -284,13 +295,17 @@ impl Planner {
                 ((out_tok_s / one).ceil(), None, 1.0)
             }
         };
-        // A request that finds every decode slot taken waits for a sequence to end (seconds,
-        // past any TTFT target), so at most `WAIT_SHARE` of them may: Erlang C over the
-        // pool's slots, each held for the output's length at that batch's ITL.
+        // A request that finds every sequence slot of the pool taken — what the workers' KV
+        // caches hold — waits for a sequence to end (seconds, past any TTFT target), so at
+        // most `WAIT_SHARE` of them may: Erlang C over the pool's slots, each held for the
+        // output's length at the batch's ITL. (Past the batch that meets the ITL target a
+        // request is batched, slower, not kept waiting: the throughput sizing covers that.)
+        let kv_slots = self.profile.max_batch(ctx).max(1.0);
         let hold_s = predicted.osl * self.profile.itl_ms(slots, ctx) * d_corr / 1e3;
         let offered = rate * hold_s;
-        let wait_share = |n: f64| erlang_c(n * slots, offered);
-        // Every request in flight at the frontend needs a slot (a backlog drains only so).
+        let wait_share = |n: f64| erlang_c(n * kv_slots, offered);
+        // Every request in flight at the frontend needs a place in a batch that meets the ITL
+        // target (a backlog drains only so).
         want_d = want_d.max(1.0).max((obs.inflight / slots).ceil());
         while want_d < f64::from(self.cfg.decode.max) && wait_share(want_d) > WAIT_SHARE {
             want_d += 1.0;
@@ -361,8 +376,10 @@ impl Planner {
         }
         let _ = write!(
             reason,
-            "next {:.2} req/s × {:.0} prompt / {:.0} output tokens ({}; {:.2} measured, {:.0} in flight): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured; {:.0} sequences held, {:.0}% wait for a slot)",
+            "next {:.2} req/s ({:.2} {} intervals on) × {:.0} prompt / {:.0} output tokens ({}; {:.2} measured, {:.0} in flight): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured; {:.0} sequences held, {:.0}% wait for a slot)",
             predicted.requests_per_s,
+            ahead,
+            self.cfg.lookahead,
             predicted.isl,
             predicted.osl,
             self.cfg.predictor,
@@ -413,6 +430,7 @@ mod tests {
             block_size: 16,
             kv_blocks: 8192,
             max_batched_tokens: 4096,
+            kv_bytes_per_token: 0,
             cpu: "test".into(),
         };
         let prefill = [500, 1000, 2000, 4000]
@@ -445,6 +463,7 @@ mod tests {
             predictor: PredictorKind::Constant,
             cooldown: Duration::from_secs(30),
             max_correction: 4.0,
+            lookahead: 1.5,
         }
     }
 
@@ -510,6 +529,41 @@ mod tests {
         let slow = q.decide(0.0, 10.0, &obs(10.0, ttft, 150.0), now);
         assert!((slow.corrections.1 - 150.0 / 85.0).abs() < 1e-6, "{slow:?}");
         assert!(slow.desired.decode > 3, "{}", slow.reason);
+    }
+
+    /// On a rising ramp a trend predictor sizes the pools for where the rate will be: the
+    /// further ahead, the more decode workers; a constant predictor has no trend to extend.
+    #[test]
+    fn a_rising_trend_is_met_where_it_will_be() {
+        let run = |predictor: &str, lookahead: f64| {
+            let cfg = PlannerConfig { predictor: predictor.parse().unwrap(), lookahead, ..cfg() };
+            let mut p = Planner::new(cfg, profile()).unwrap();
+            let mut d = None;
+            for i in 0..6 {
+                let rate = 2.0 + 2.0 * f64::from(i);
+                let actual = p.last.unwrap_or(Replicas { prefill: 1, decode: 1 });
+                d = Some(p.decide(10.0 * f64::from(i), 10.0, &obs(rate, 300.0, 30.0), actual));
+            }
+            d.unwrap().desired.decode
+        };
+        let (now, next, far) = (run("holt", 0.0), run("holt", 1.5), run("holt", 3.0));
+        assert!(now < next && next < far, "{now} {next} {far}");
+        assert_eq!(run("constant", 0.0), run("constant", 3.0));
+        let bad = PlannerConfig { lookahead: -1.0, ..cfg() };
+        assert!(bad.validate().is_err());
+    }
+
+    /// An ITL target below one sequence's step: the pool is sized at one sequence per worker,
+    /// and a lone stream gets one worker (its requests are batched, not kept waiting).
+    #[test]
+    fn a_target_no_batch_meets_sizes_one_sequence_per_worker() {
+        let tight = PlannerConfig { targets: Targets { ttft_ms: 500.0, itl_ms: 8.0 }, ..cfg() };
+        let one = Replicas { prefill: 1, decode: 1 };
+        let mut p = Planner::new(tight.clone(), profile()).unwrap();
+        assert_eq!(p.decide(0.0, 10.0, &obs(0.3, 100.0, 11.0), one).desired.decode, 1);
+        // 2 req/s × 200 tokens over 1000 / 11 tokens/s per worker.
+        let mut p = Planner::new(tight, profile()).unwrap();
+        assert_eq!(p.decide(0.0, 10.0, &obs(2.0, 100.0, 11.0), one).desired.decode, 5);
     }
 
     #[test]

@@ -190,6 +190,12 @@ impl Predictor {
 
     /// The next interval's value (0 before anything is seen; never negative).
     pub fn predict(&self) -> f64 {
+        self.predict_ahead(1.0)
+    }
+
+    /// The value `steps` intervals after the last one observed: the trend predictors extend
+    /// their slope that far, the others have no trend and give their level.
+    pub fn predict_ahead(&self, steps: f64) -> f64 {
         let s = &self.state;
         if s.seen == 0 {
             return 0.0;
@@ -199,7 +205,9 @@ impl Predictor {
             PredictorKind::MovingAverage { .. } => {
                 s.recent.iter().sum::<f64>() / s.recent.len().max(1) as f64
             }
-            PredictorKind::Holt { .. } | PredictorKind::Kalman { .. } => s.level + s.slope,
+            PredictorKind::Holt { .. } | PredictorKind::Kalman { .. } => {
+                s.level + steps.max(0.0) * s.slope
+            }
         };
         v.max(0.0)
     }
@@ -264,6 +272,16 @@ mod tests {
         // A fall below zero is predicted as zero.
         let fall: Vec<f64> = (0..10).map(|i| 20.0 - 5.0 * f64::from(i)).collect();
         assert_eq!(run("holt", &fall), 0.0);
+        // Further ahead, the slope is extended; without a trend the level stays.
+        let mut h = "holt".parse::<PredictorKind>().unwrap().build();
+        let mut c = PredictorKind::Constant.build();
+        for &x in &ramp {
+            h.observe(x);
+            c.observe(x);
+        }
+        assert!((h.predict_ahead(1.5) - 51.0).abs() < 0.5, "{}", h.predict_ahead(1.5));
+        assert!((h.predict_ahead(0.0) - 48.0).abs() < 0.5);
+        assert_eq!(c.predict_ahead(3.0), 48.0);
     }
 
     #[test]

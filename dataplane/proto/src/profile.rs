@@ -27,6 +27,10 @@ pub struct WorkerShape {
     pub kv_blocks: u32,
     /// Tokens one engine step takes at most.
     pub max_batched_tokens: u32,
+    /// Bytes of KV per token (keys and values, all layers): what a disaggregated transfer
+    /// moves per prompt token. 0 when unknown (profiles written before it was recorded).
+    #[serde(default)]
+    pub kv_bytes_per_token: u64,
     /// The CPU it ran on (`/proc/cpuinfo`'s model name), for the record.
     pub cpu: String,
 }
@@ -235,6 +239,7 @@ mod tests {
             block_size: 16,
             kv_blocks: 1024,
             max_batched_tokens: 2048,
+            kv_bytes_per_token: 0,
             cpu: "test".into(),
         };
         let prefill = [(100, 20.0), (1000, 110.0), (2000, 260.0)]

@@ -95,6 +95,7 @@ pub fn shape_of(prepared: &Prepared, role: &str) -> WorkerShape {
         block_size: prepared.block_size() as u32,
         kv_blocks: prepared.kv_blocks() as u32,
         max_batched_tokens: setup.limits.max_batched_tokens as u32,
+        kv_bytes_per_token: prepared.kv_bytes_per_token(),
         cpu,
     }
 }

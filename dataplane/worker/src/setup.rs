@@ -580,6 +580,12 @@ impl Prepared {
             .map_err(|source| SetupError::Engine { index: 0, source })
     }
 
+    /// Bytes of KV one token takes (keys and values, all layers; what a disaggregated
+    /// transfer moves per prompt token), 0 when the layout cannot be had.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        self.kv_layout().map_or(0, |l| (2 * l.block_bytes / self.sched.block_size.max(1)) as u64)
+    }
+
     /// The layout of one engine's KV cache as a transfer sees it (modelled for mock engines:
     /// only the block size in bytes matters to them).
     fn kv_layout(&self) -> Result<KvLayout, EngineError> {

@@ -1,5 +1,6 @@
-//! `kvx configure`: writes a deployment's `KVX_*` settings for this host (flags and wiring;
-//! the decisions and the file writing live in kvx-planner's `configure`).
+//! `kvx configure`: writes a deployment's `KVX_*` settings for this host; with `--profile`,
+//! the best layout of the profiled workers for a workload and targets (flags and wiring; the
+//! decisions, the layout search and the file writing live in kvx-planner).
 
 use std::path::PathBuf;
 
@@ -7,6 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use kvx_planner::configure::{HostShape, Layout, Request, plan, write_settings};
+use kvx_planner::layouts::{WorkerKind, Workload, search};
+use kvx_proto::profile::Profile;
 
 #[derive(Debug, Args)]
 pub(crate) struct ConfigureArgs {
@@ -52,6 +55,38 @@ pub(crate) struct ConfigureArgs {
     /// For a worker without discovery: the frontend's worker-plane address.
     #[arg(long = "frontend-addr")]
     frontend: Option<String>,
+    /// Worker profiles (`kvx profile`; repeat for several worker shapes): search the layouts
+    /// they allow, print the predictions to stderr and write the best one's settings.
+    #[arg(long)]
+    profile: Vec<PathBuf>,
+    /// Prompt tokens per request (layout search).
+    #[arg(long, default_value_t = 2000.0)]
+    isl: f64,
+    /// Output tokens per request (layout search).
+    #[arg(long, default_value_t = 200.0)]
+    osl: f64,
+    /// TTFT p90 target, milliseconds (layout search).
+    #[arg(long, default_value_t = 500.0)]
+    ttft: f64,
+    /// ITL p90 target, milliseconds (layout search).
+    #[arg(long, default_value_t = 50.0)]
+    itl: f64,
+    /// Gigabytes per second a prompt's KV moves at from a prefill to a decode worker (layout
+    /// search; the mock engines' model of loopback TCP is 4; `kvx bench xfer` measures a link).
+    #[arg(long, default_value_t = 4.0)]
+    kv_gbps: f64,
+    /// Cores per host the layouts may use (default: this host's).
+    #[arg(long)]
+    cores: Option<u32>,
+    /// Hosts (layout search).
+    #[arg(long, default_value_t = 1)]
+    hosts: u32,
+    /// Layouts listed in the report.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+    /// Also write every layout's predictions here (JSON).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 pub(crate) fn run(a: ConfigureArgs) -> Result<()> {
@@ -75,7 +110,38 @@ pub(crate) fn run(a: ConfigureArgs) -> Result<()> {
         etcd: a.etcd,
         frontend: a.frontend,
     };
-    let settings = plan(HostShape::read()?, &req)?;
+    let host = HostShape::read()?;
+    let mut settings = plan(host, &req)?;
+    if !a.profile.is_empty() {
+        if layout != Layout::Serve {
+            bail!("--profile writes a layout for one `kvx serve`: use it with --layout serve");
+        }
+        let mut kinds = Vec::new();
+        for path in &a.profile {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let p: Profile = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a profile", path.display()))?;
+            let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+            kinds.push(WorkerKind::new(path.display().to_string(), p)?);
+        }
+        let w = Workload {
+            isl: a.isl,
+            osl: a.osl,
+            ttft_ms: a.ttft,
+            itl_ms: a.itl,
+            link_bytes_per_s: a.kv_gbps * 1e9,
+        };
+        let cores = a.cores.unwrap_or(host.cores as u32);
+        let found = search(kinds, w, cores, a.hosts)?;
+        eprint!("{}", found.report(a.top));
+        if let Some(path) = &a.json {
+            std::fs::write(path, found.to_json().to_string())
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        let Some(best) = found.best() else { bail!("no layout meets the targets") };
+        settings.apply_layout(found.settings(best)?);
+    }
     let text = match a.format.as_str() {
         "env" => settings.to_env(),
         "helm" => settings.to_helm(),

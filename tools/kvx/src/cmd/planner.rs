@@ -60,6 +60,10 @@ pub(crate) struct PlannerArgs {
     /// Seconds after a pool's change before it may shrink.
     #[arg(long, env = "KVX_PLANNER_COOLDOWN", default_value_t = 120.0)]
     cooldown: f64,
+    /// Intervals past the last observation the pools are sized for (1.5: the end of the next
+    /// interval; the trend predictors extend their slope that far).
+    #[arg(long, env = "KVX_PLANNER_LOOKAHEAD", default_value_t = 1.5)]
+    lookahead: f64,
     /// Where decisions go.
     #[arg(long, value_enum, env = "KVX_PLANNER_CONNECTOR", default_value = "local")]
     connector: ConnectorArg,
@@ -105,6 +109,7 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
         decode: Bounds { min: args.min_decode, max: args.max_decode },
         predictor: args.predictor,
         cooldown: secs(args.cooldown.max(1e-3), "cooldown")?,
+        lookahead: args.lookahead,
         ..PlannerConfig::default()
     };
     let planner = Planner::new(cfg.clone(), profile)?;

@@ -24,6 +24,9 @@ pub(crate) struct ProfileArgs {
     /// Where the profile goes (JSON).
     #[arg(long)]
     out: PathBuf,
+    /// Also draw it here: an HTML page of SVG charts.
+    #[arg(long)]
+    html: Option<PathBuf>,
     /// Longest prompt of the prefill curve (16 lengths from 32 up to it).
     #[arg(long, default_value_t = 4096)]
     max_isl: u32,
@@ -86,6 +89,10 @@ pub(crate) fn run(args: ProfileArgs, rt: &Runtime) -> Result<()> {
     let text = serde_json::to_string_pretty(&profile)?;
     std::fs::write(&args.out, text + "\n")
         .with_context(|| format!("writing {}", args.out.display()))?;
+    if let Some(html) = &args.html {
+        std::fs::write(html, kvx_planner::report::profile_html(&profile))
+            .with_context(|| format!("writing {}", html.display()))?;
+    }
     println!(
         "wrote {} ({} prefill points, {} decode points)",
         args.out.display(),
