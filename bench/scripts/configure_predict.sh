@@ -22,11 +22,12 @@
 # Usage: bench/scripts/configure_predict.sh [--out DIR] [--secs S] [--isl N] [--osl N]
 #          [--ttft MS] [--itl MS] [--mock-layouts "agg:4 disagg:2:6"]
 #          [--model-layouts "agg:1:m2 disagg:1:1:m1"] [--skip-mocker] [--skip-model]
+#          [--reuse-profiles]   (keep the profiles an earlier run left in --out)
 # Environment: KVX (binary, default target/release/kvx), KVX_HOME (model store).
 set -euo pipefail
 
 OUT=/tmp/kvx-configure SECS=60 ISL=512 OSL=64 TTFT=3000 ITL=250
-MOCK_LAYOUTS="agg:4 disagg:2:6" MODEL_LAYOUTS="agg:1:m2 disagg:1:1:m1" DO_MOCK=1 DO_MODEL=1
+MOCK_LAYOUTS="agg:4 disagg:2:6" MODEL_LAYOUTS="agg:1:m2 disagg:1:1:m1" DO_MOCK=1 DO_MODEL=1 REUSE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -39,6 +40,7 @@ while [ $# -gt 0 ]; do
     --model-layouts) MODEL_LAYOUTS=$2; shift 2 ;;
     --skip-mocker) DO_MOCK=0; shift ;;
     --skip-model) DO_MODEL=0; shift ;;
+    --reuse-profiles) REUSE=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -129,8 +131,8 @@ CONF=(--home-dir "${KVX_HOME:-$HOME/.kvx}" --kv-disk-dir none --no-kv-host --lis
 if [ "$DO_MOCK" = 1 ]; then
   echo "== mocker: profile"
   ENGINE=(--engine mocker --mocker-blocks 1024 --block-size 16 --max-num-seqs 256 --max-batched-tokens 8192)
-  "$KVX" profile "${ENGINE[@]}" --out "$OUT/mock.json" --max-isl 4096 --max-batch 64 \
-    --max-context 4096 --reps 3 2>"$OUT/profile-mock.log"
+  [ "$REUSE" = 1 ] && [ -f "$OUT/mock.json" ] || "$KVX" profile "${ENGINE[@]}" --out "$OUT/mock.json" \
+    --max-isl 4096 --max-batch 64 --max-context 4096 --reps 3 2>"$OUT/profile-mock.log"
   echo "== mocker: kvx configure"
   "$KVX" configure "${CONF[@]}" --profile "$OUT/mock.json" --isl 2000 --osl 200 --ttft 500 --itl 50 \
     --cores 16 --json "$OUT/mock-layouts.json" --out "$OUT/mock.env" 2>"$OUT/mock-report.txt"
@@ -155,6 +157,7 @@ fi
 if [ "$DO_MODEL" = 1 ]; then
   echo "== model: profiles with 1 and 2 threads per shard"
   for t in 1 2; do
+    [ "$REUSE" = 1 ] && [ -f "$OUT/m$t.json" ] && continue
     "$KVX" profile --engine model --threads-per-shard "$t" --out "$OUT/m$t.json" \
       --max-isl 2048 --max-batch 32 --max-context 2048 --reps 3 2>"$OUT/profile-m$t.log"
   done
@@ -191,6 +194,7 @@ for r in rows:
         ratio = p / m if m else float("inf")
         within += abs(ratio - 1) <= 0.25
         cells.append(f"{p:8.1f} / {m:8.1f} = {ratio:4.2f}")
-    print(f"{r['layout']:28s} {r['concurrency']:5d} {r['requests']:5d} {r['errors']:3d}  " + "  ".join(cells))
+    err = sum(r["errors"].values()) if isinstance(r["errors"], dict) else r["errors"]
+    print(f"{r['layout']:28s} {r['concurrency']:5d} {r['requests']:5d} {err:3d}  " + "  ".join(cells))
 print(f"{within} of {3 * len(rows)} predictions within 25% (predicted / measured)")
 EOF

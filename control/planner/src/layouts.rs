@@ -17,14 +17,17 @@
 //!   median and 90th percentile are a pure decode step unless more than half (a tenth) of the
 //!   steps carry a prefill;
 //! * a prompt queues for its prefill worker (a disaggregated prefill worker, or the
-//!   aggregated worker itself) as in M/D/1: it waits with probability ρ, then for an
-//!   exponential time of mean S / (2(1 − ρ)); TTFT adds the step in progress and the step
+//!   aggregated worker itself) among the C / P users it serves, each away for the rest of
+//!   its cycle between prompts: the mean wait by mean value analysis of that closed loop;
+//!   a prompt waits with probability ρ, for an exponential time (the quantiles); TTFT adds
+//!   the steps in progress at each hand-off (aggregated: one; disaggregated: the decode
+//!   worker's, when it reserves the request's blocks and when their KV has arrived) and the
+//!   step
 //!   that gives the first token, each carrying the decode of the other users' sequences on
 //!   that worker (none when no other user is decoding there);
 //! * throughput is C over the time a request takes (TTFT + (OSL − 1) × mean ITL), at most
 //!   what the prefill workers compute; that rate falls as the rate assumed rises, so the
-//!   fixed point is found by bisection. A loop whose prefill pool is its bottleneck queues
-//!   the rest of its users for prefill: TTFT is then what the cycle leaves over the decode;
+//!   fixed point is found by bisection;
 //! * in a closed loop every user holds a sequence slot all the time (an aggregated worker's
 //!   from admission, a decode worker's from the blocks it reserves before the prompt is
 //!   computed elsewhere): concurrencies go up to the slots the layout's KV caches hold.
@@ -168,22 +171,31 @@ pub struct Prediction {
     pub meets: bool,
 }
 
-/// The waiting time a share `q` of arrivals stays within, at a queue of utilisation `rho`
-/// whose service takes `s` ms: an arrival waits with probability ρ, for an exponential time
-/// of mean S / (2(1 − ρ)) (M/D/1's mean wait, over ρ).
-fn wait_ms(rho: f64, s: f64, q: f64) -> f64 {
-    let rho = rho.clamp(0.0, 0.98);
-    let tail = 1.0 - q;
-    if rho <= tail {
-        return 0.0;
+/// The mean time a prompt waits for its prefill worker when `users` users of a closed loop
+/// share it, each away `away_ms` between its prompts (decoding, and the rest of its cycle),
+/// a prompt taking `s` ms: mean value analysis of one queue and one delay, exact for
+/// exponential times (deterministic prefills wait somewhat less). A closed loop's users are
+/// paced by their own requests, so they queue far less than Poisson arrivals at the same
+/// utilisation would.
+fn closed_wait_ms(users: f64, s: f64, away_ms: f64) -> f64 {
+    let n = users.round().clamp(1.0, 1e5) as u32;
+    let (mut q, mut r) = (0.0, s);
+    for k in 1..=n {
+        r = s * (1.0 + q);
+        q = f64::from(k) / (r + away_ms) * r;
     }
-    s / (2.0 * (1.0 - rho)) * (rho / tail).ln()
+    (r - s).max(0.0)
 }
 
-/// The mean wait of the same queue.
-fn mean_wait_ms(rho: f64, s: f64) -> f64 {
-    let rho = rho.clamp(0.0, 0.98);
-    rho * s / (2.0 * (1.0 - rho))
+/// The wait a share `q` of prompts stays within, for a mean wait `mean` at utilisation
+/// `rho`: a prompt waits with probability ρ, for an exponential time of mean `mean` / ρ.
+fn wait_quantile_ms(mean: f64, rho: f64, q: f64) -> f64 {
+    let rho = rho.clamp(0.0, 1.0);
+    let tail = 1.0 - q;
+    if rho <= tail || mean <= 0.0 {
+        return 0.0;
+    }
+    mean / rho * (rho / tail).ln()
 }
 
 /// The most users a layout's KV caches hold at once (every one a sequence of ISL + OSL). In
@@ -289,11 +301,14 @@ pub fn predict(layout: Layout, kinds: &[WorkerKind], w: &Workload, concurrency: 
         let first = match layout {
             // The step in progress, then the prompt's steps.
             Layout::Agg { .. } => busy * t_others / 2.0 + service,
-            // The prompt on the prefill worker, its KV's transfer, then the decode worker's
-            // step in progress and the step that computes the last prompt token.
-            Layout::Disagg { .. } => service + transfer_ms + last_ms + busy * 1.5 * t_others,
+            // The prompt on the prefill worker, its KV's transfer, and three steps of the
+            // decode worker: the one in progress when the request's blocks are reserved (half
+            // a step on average), the one in progress when the KV has arrived (another half),
+            // and the one that computes the last prompt token.
+            Layout::Disagg { .. } => service + transfer_ms + last_ms + busy * 2.0 * t_others,
         };
-        let cycle_ms = first + mean_wait_ms(rho, service) + steps * mean;
+        let wait = closed_wait_ms(c / prefillers, service, first - service + steps * mean);
+        let cycle_ms = first + wait + steps * mean;
         // No more prompts than the prefill workers compute.
         let most = prefillers * 1e3 / service;
         let back = (c / (cycle_ms.max(1e-3) / 1e3)).min(most);
@@ -303,20 +318,12 @@ pub fn predict(layout: Layout, kinds: &[WorkerKind], w: &Workload, concurrency: 
             tok_s: x * w.osl,
             tok_s_per_core: x * w.osl / cores,
             tok_s_per_user: 1e3 / itl_q(0.5),
-            ttft_p50_ms: first + wait_ms(rho, service, 0.5),
-            ttft_p90_ms: first + wait_ms(rho, service, 0.9),
+            ttft_p50_ms: first + wait_quantile_ms(wait, rho, 0.5),
+            ttft_p90_ms: first + wait_quantile_ms(wait, rho, 0.9),
             itl_p50_ms: itl_q(0.5),
             itl_p90_ms: itl_q(0.9),
             batch,
             meets: false,
-        };
-        // Prefill-bound: prompts queue until the loop's users are all waiting or decoding,
-        // so a request's TTFT is what its cycle leaves over its decode (C / rate − decode).
-        let pred = if c / (cycle_ms.max(1e-3) / 1e3) > most * (1.0 + 1e-9) && x >= most * 0.999 {
-            let ttft = (c / x * 1e3 - steps * mean).max(first);
-            Prediction { ttft_p50_ms: ttft, ttft_p90_ms: ttft, ..pred }
-        } else {
-            pred
         };
         (pred, back)
     };
@@ -819,12 +826,11 @@ mod tests {
         let p = predict(l, &k, &w, 168);
         let most = 1e3 / k[0].profile.ttft_ms(1999.0);
         assert!((p.requests_per_s - most).abs() < 0.01 * most, "{p:?}");
-        let cycle = 168.0 / p.requests_per_s * 1e3;
-        assert!(
-            p.ttft_p50_ms > 1000.0
-                && (p.ttft_p50_ms + 199.0 * p.itl_p50_ms - cycle).abs() < 0.05 * cycle,
-            "{p:?}"
-        );
+        // Prompts queue: the mean TTFT (what the cycle leaves over the decode) lies between
+        // the median and the 90th percentile.
+        let ttft_mean = 168.0 / p.requests_per_s * 1e3 - 199.0 * p.itl_p50_ms;
+        assert!(ttft_mean > 1000.0, "{p:?}");
+        assert!(p.ttft_p50_ms < ttft_mean * 1.05 && ttft_mean < p.ttft_p90_ms, "{ttft_mean} {p:?}");
     }
 
     #[test]
@@ -837,8 +843,13 @@ mod tests {
             one.ttft_p90_ms > two.ttft_p90_ms && one.ttft_p90_ms >= one.ttft_p50_ms,
             "{one:?} {two:?}"
         );
-        assert_eq!(wait_ms(0.05, 100.0, 0.9), 0.0);
-        assert!(wait_ms(0.8, 100.0, 0.9) > wait_ms(0.8, 100.0, 0.5));
+        assert_eq!(wait_quantile_ms(10.0, 0.05, 0.9), 0.0);
+        assert!(wait_quantile_ms(10.0, 0.8, 0.9) > wait_quantile_ms(10.0, 0.8, 0.5));
+        // One user never waits; two users away 300 ms between 100-ms prompts (exact MVA:
+        // R(2) = 100 (1 + 100/400) = 125) wait 25 ms; many users saturate: N·S − away.
+        assert_eq!(closed_wait_ms(1.0, 100.0, 300.0), 0.0);
+        assert!((closed_wait_ms(2.0, 100.0, 300.0) - 25.0).abs() < 1e-9);
+        assert!((closed_wait_ms(50.0, 100.0, 300.0) - (50.0 * 100.0 - 300.0 - 100.0)).abs() < 1.0);
     }
 
     #[test]

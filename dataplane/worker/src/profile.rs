@@ -3,8 +3,12 @@
 //! batch decoding together over batch sizes × context lengths — each point the median of
 //! repeated runs, as a [`Profile`] the SLA planner and `kvx configure` read.
 //!
-//! Decode points share their prompt but for its last token, so after the first batch of a
-//! context the prompts are prefix-cache hits and the sweep spends its time decoding.
+//! The sequences of a decode batch have prompts of their own, as served requests do: a
+//! batch over one shared prompt would read the same KV blocks for every sequence (from
+//! cache), and step faster than a batch of distinct requests. Each context's prompts are
+//! prefilled once, untimed, before its first batch; the batches and their repetitions find
+//! them in the prefix cache but for a last token of their own, start decoding together, and
+//! the sweep spends its time decoding.
 
 use std::time::Instant;
 
@@ -187,15 +191,32 @@ pub fn measure(
     let mut decode = Vec::new();
     for &context in &sweep.contexts {
         let mut engine = make().map_err(ProfileRunError::Setup)?;
-        let shared: Vec<u32> = (0..u64::from(context.saturating_sub(1)))
-            .map(|i| token(u64::from(context) * 31 + i, vocab))
+        let batches = sweep.batches_at(context, capacity);
+        let most = batches.iter().copied().max().unwrap_or(1) as usize;
+        // A prompt (but its last token) per sequence of the largest batch.
+        let prompts: Vec<Vec<u32>> = (0..most as u64)
+            .map(|k| {
+                (0..u64::from(context.saturating_sub(1)))
+                    .map(|i| token(u64::from(context) * 31 + k * 1_000_003 + i, vocab))
+                    .collect()
+            })
             .collect();
-        for batch in sweep.batches_at(context, capacity) {
+        // Prefill every prompt once, untimed: the batches below find them in the prefix
+        // cache and start decoding together.
+        for (k, prompt) in prompts.iter().enumerate() {
+            let mut p = prompt.clone();
+            p.push(token(k as u64 + 7, vocab));
+            engine.add(&request(id(), p, 1))?;
+        }
+        while engine.has_work() {
+            engine.step()?;
+        }
+        for batch in batches {
             let mut runs = Vec::new();
             for rep in 0..sweep.reps {
                 let ids: Vec<u64> = (0..batch).map(|_| id()).collect();
                 for (k, &rid) in ids.iter().enumerate() {
-                    let mut prompt = shared.clone();
+                    let mut prompt = prompts[k % prompts.len()].clone();
                     prompt.push(token(u64::from(rep) * 100_003 + k as u64 + 1, vocab));
                     engine.add(&request(rid, prompt, sweep.steps + 2))?;
                 }
