@@ -85,6 +85,8 @@ with open(out, "w") as f:
                             "output_length": 200, "hash_ids": list(range(4 * n, 4 * n + 4))}) + "\n")
         n += 1
 print(f"{n} requests over {total:.0f} s")
+# The rate itself, every 0.1 s, for the bound below.
+json.dump([rate(k / 10) for k in range(int(total * 10) + 1)], open(out.replace(".jsonl", ".rate.json"), "w"))
 EOF
 TRACE_SECS=$(python3 -c "print(600 * $SCALE)")
 
@@ -181,10 +183,9 @@ observe static "$P" "$D"
 replay static
 stop_all
 
-python3 - "$OUT" "$INTERVAL" "$P" "$D" "$TRACE_SECS" "$SCALE" <<'EOF'
+python3 - "$OUT" "$INTERVAL" "$P" "$D" "$TRACE_SECS" <<'EOF'
 import json, math, sys
 out, interval, p, d, secs = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-scale = float(sys.argv[6])
 def load(name):
     return [json.loads(l) for l in open(f"{out}/decisions-{name}.jsonl")]
 def judge(ds):
@@ -233,17 +234,11 @@ def need(r):
     while erlang_c(n * slots, r * hold) > 0.1: n += 1
     rho = min(0.95, max(0.05, 1 - ttft0 / TTFT))  # as the planner bounds it
     return n + max(1, math.ceil(r * ttft0 / 1e3 / rho))
-up, down, sine, period = 240 * scale, 120 * scale, 240 * scale, 240 * scale
-def rate(t):
-    if t < up: return 1 + 15 * t / up
-    t -= up
-    if t < down: return 16 - 14 * t / down
-    t -= down
-    return 9 - 7 * math.cos(2 * math.pi * t / period)
+rates = json.load(open(f"{out}/trace.rate.json"))  # every 0.1 s
 bound, t = 0.0, 0.0
 while t < secs:
     end = min(secs, t + interval)
-    bound += need(max(rate(t + k * (end - t) / 50) for k in range(51))) * (end - t)
+    bound += need(max(rates[round(t * 10):round(end * 10) + 1])) * (end - t)
     t = end
 print(f"bound: a planner knowing each {interval:.0f} s interval's highest rate beforehand needs "
       f"{bound:.0f} worker-seconds = {bound / static_ws:.2f} of the static fleet "

@@ -87,6 +87,27 @@ const QUICK_EXIT: Duration = Duration::from_secs(10);
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 impl LocalConnector {
+    /// Workers of `kvx` (`program`) run `kvx worker WORKER_ARGS... --role ROLE`, the
+    /// arguments split on spaces; their logs go to `log_dir` (created). Refused: arguments
+    /// that set the role themselves (the planner gives each worker its role).
+    pub fn kvx_workers(
+        program: impl Into<PathBuf>,
+        worker_args: &str,
+        log_dir: Option<PathBuf>,
+    ) -> Result<Self, ConnectorError> {
+        if worker_args.split_whitespace().any(|a| a == "--role" || a.starts_with("--role=")) {
+            return Err(ConnectorError::Invalid(
+                "--worker-args must not set --role: the planner gives each worker its role".into(),
+            ));
+        }
+        if let Some(d) = &log_dir {
+            std::fs::create_dir_all(d).map_err(io(format!("creating {}", d.display())))?;
+        }
+        let mut argv = vec!["worker".to_string()];
+        argv.extend(worker_args.split_whitespace().map(str::to_string));
+        Ok(Self::new(program, argv, log_dir))
+    }
+
     /// Workers run `program args... --role ROLE`.
     pub fn new(program: impl Into<PathBuf>, args: Vec<String>, log_dir: Option<PathBuf>) -> Self {
         LocalConnector {
@@ -373,6 +394,27 @@ mod tests {
         let written: VirtualDecision =
             serde_json::from_str(&std::fs::read_to_string(&dec).unwrap()).unwrap();
         assert_eq!(written.decision_id, 9);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn kvx_workers_get_their_role_from_the_planner_only() {
+        let d = dir("kvx-workers");
+        let logs = d.join("logs");
+        let c = LocalConnector::kvx_workers(
+            "kvx",
+            "--frontend 127.0.0.1:7100  --engine mocker",
+            Some(logs.clone()),
+        )
+        .unwrap();
+        assert_eq!(c.args, ["worker", "--frontend", "127.0.0.1:7100", "--engine", "mocker"]);
+        assert!(logs.is_dir());
+        for bad in ["--role decode", "--engine mocker --role=prefill"] {
+            assert!(matches!(
+                LocalConnector::kvx_workers("kvx", bad, None),
+                Err(ConnectorError::Invalid(_))
+            ));
+        }
         let _ = std::fs::remove_dir_all(&d);
     }
 

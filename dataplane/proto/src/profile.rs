@@ -3,6 +3,8 @@
 //! prompt lengths, inter-token latency and decode throughput over a grid of batch sizes and
 //! context lengths — with the interpolation both use.
 
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
 
 /// The worker a profile was measured on. A profile describes one shape; the planner sizes
@@ -84,6 +86,9 @@ pub enum ProfileError {
     /// Points missing or out of order.
     #[error("profile: {0}")]
     Invalid(String),
+    /// The file could not be read, or is not a profile.
+    #[error("{0}")]
+    File(String),
 }
 
 /// The longest prompt or context a profile may hold.
@@ -112,6 +117,23 @@ fn lerp(xs: &[f64], ys: &[f64], x: f64) -> f64 {
 }
 
 impl Profile {
+    /// Reads the profile at `path` (JSON, as `kvx profile` writes it) and checks it.
+    pub fn read(path: &Path) -> Result<Self, ProfileError> {
+        let show = path.display();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ProfileError::File(format!("reading {show}: {e}")))?;
+        let p: Profile = serde_json::from_str(&text)
+            .map_err(|e| ProfileError::File(format!("{show} is not a profile: {e}")))?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Writes it to `path` as pretty JSON.
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(path, text + "\n")
+    }
+
     /// Checks the version and the order of the points; the decode grid must be complete.
     pub fn validate(&self) -> Result<(), ProfileError> {
         if self.version != PROFILE_VERSION {
@@ -262,6 +284,21 @@ mod tests {
             }
         }
         Profile { version: PROFILE_VERSION, shape, reps: 3, prefill, decode }
+    }
+
+    #[test]
+    fn a_profile_written_reads_back_and_a_bad_file_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("kvx-profile-rw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.json");
+        sample().write(&path).unwrap();
+        assert_eq!(Profile::read(&path).unwrap(), sample());
+        std::fs::write(&path, "{}").unwrap();
+        assert!(
+            matches!(Profile::read(&path), Err(ProfileError::File(m)) if m.contains("not a profile"))
+        );
+        assert!(matches!(Profile::read(&dir.join("none.json")), Err(ProfileError::File(_))));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -118,10 +118,7 @@ pub(crate) fn run(a: ConfigureArgs) -> Result<()> {
         }
         let mut kinds = Vec::new();
         for path in &a.profile {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let p: Profile = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not a profile", path.display()))?;
+            let p = Profile::read(path)?;
             let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
             kinds.push(WorkerKind::new(path.display().to_string(), p)?);
         }

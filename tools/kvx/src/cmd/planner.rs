@@ -92,10 +92,7 @@ pub(crate) struct PlannerArgs {
 }
 
 pub(crate) fn run(args: PlannerArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.profile)
-        .with_context(|| format!("reading {}", args.profile.display()))?;
-    let profile: Profile = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a profile", args.profile.display()))?;
+    let profile = Profile::read(&args.profile)?;
     let secs = |v: f64, name: &str| -> Result<Duration> {
         if !(v.is_finite() && v > 0.0) {
             bail!("--{name} must be a positive number of seconds");
@@ -118,16 +115,8 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
             let Some(wa) = &args.worker_args else {
                 bail!("--connector local needs --worker-args")
             };
-            if wa.split_whitespace().any(|a| a == "--role" || a.starts_with("--role=")) {
-                bail!("--worker-args must not set --role: the planner gives each worker its role");
-            }
-            let mut argv = vec!["worker".to_string()];
-            argv.extend(wa.split_whitespace().map(str::to_string));
-            if let Some(d) = &args.worker_logs {
-                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-            }
             let exe = std::env::current_exe().context("finding this executable")?;
-            Box::new(LocalConnector::new(exe, argv, args.worker_logs.clone()))
+            Box::new(LocalConnector::kvx_workers(exe, wa, args.worker_logs.clone())?)
         }
         ConnectorArg::Virtual => {
             let (Some(d), Some(a)) = (&args.decision_file, &args.ack_file) else {

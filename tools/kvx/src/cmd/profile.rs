@@ -86,9 +86,7 @@ pub(crate) fn run(args: ProfileArgs, rt: &Runtime) -> Result<()> {
     let mut make = || prepared.engine(0).map_err(|e| e.to_string());
     let profile =
         measure(&mut make, vocab, capacity, shape, &sweep, &mut |line| eprintln!("{line}"))?;
-    let text = serde_json::to_string_pretty(&profile)?;
-    std::fs::write(&args.out, text + "\n")
-        .with_context(|| format!("writing {}", args.out.display()))?;
+    profile.write(&args.out).with_context(|| format!("writing {}", args.out.display()))?;
     if let Some(html) = &args.html {
         std::fs::write(html, kvx_planner::report::profile_html(&profile))
             .with_context(|| format!("writing {}", html.display()))?;
