@@ -74,6 +74,8 @@ struct Scenario<'a> {
     heavy: (&'a str, &'a str),
     light_secs: &'a str,
     lengths: (&'a str, &'a str),
+    /// Whether the planner sizes from the workers' step times alone (no profile).
+    load_based: bool,
 }
 
 /// Profiles the engine, starts a frontend and a planner (local connector, 1 to 2 prefill and
@@ -106,32 +108,36 @@ fn scales_up_and_back(sc: &Scenario<'_>) {
         sc.engine.join(" ")
     );
     let logs = dir.join("logs").to_string_lossy().into_owned();
-    let mut planner = PlannerProc::start(&[
-        "--frontend",
-        &frontend,
-        "--profile",
-        &p,
-        "--connector",
-        "local",
-        "--worker-args",
-        &worker_args,
-        "--worker-logs",
-        &logs,
-        "--planner-interval",
-        "2",
-        "--cooldown",
-        "6",
-        "--predictor",
-        "constant",
-        "--ttft",
-        "5000",
-        "--itl",
-        &itl,
-        "--max-decode",
-        "3",
-        "--max-prefill",
-        "2",
-    ]);
+    let sizing: &[&str] = if sc.load_based { &[] } else { &["--profile", &p] };
+    let mut planner = PlannerProc::start(
+        &[
+            &["--frontend", &frontend],
+            sizing,
+            &[
+                "--connector",
+                "local",
+                "--worker-args",
+                &worker_args,
+                "--worker-logs",
+                &logs,
+                "--planner-interval",
+                "2",
+                "--cooldown",
+                "6",
+                "--predictor",
+                "constant",
+                "--ttft",
+                "5000",
+                "--itl",
+                &itl,
+                "--max-decode",
+                "3",
+                "--max-prefill",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
     f.wait_workers(2);
     assert_eq!(decode_up(&f), 1);
 
@@ -141,6 +147,11 @@ fn scales_up_and_back(sc: &Scenario<'_>) {
     assert!(most >= Some(2), "the decode pool never grew (ITL target {itl} ms): {decisions:#?}");
     let grew = decisions.iter().find(|d| d["target"]["decode"].as_u64() >= Some(2)).unwrap();
     assert!(grew["reason"].as_str().unwrap().contains("decode 1→"), "{grew}");
+    if sc.load_based {
+        // Sized by the step-time fit: one more decode worker, no profile in sight.
+        assert_eq!(grew["load"]["decode"]["step"], 1, "{grew}");
+        assert!(grew["reason"].as_str().unwrap().contains("load: decode step"), "{grew}");
+    }
     assert_eq!(heavy["errors"], serde_json::json!({}), "{heavy}");
     let end = Instant::now() + Duration::from_secs(60);
     while decode_up(&f) < 2 && Instant::now() < end {
@@ -182,6 +193,24 @@ fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
         heavy: ("16", "14"),
         light_secs: "16",
         lengths: ("256", "64"),
+        load_based: false,
+    });
+}
+
+/// Without a profile (load-based sizing): mock workers with a small KV pool, whose decode
+/// step slows as it fills; an ITL target 2.5 × one sequence's step, which 16 streams on one
+/// worker miss and one stream meets with room to spare.
+#[test]
+fn without_a_profile_the_decode_pool_follows_the_workers_step_times() {
+    scales_up_and_back(&Scenario {
+        name: "load",
+        engine: &["--engine", "mocker", "--mocker-blocks", "512"],
+        sweep: ["512", "4", "512"],
+        itl_over_one: 2.5,
+        heavy: ("16", "14"),
+        light_secs: "16",
+        lengths: ("256", "64"),
+        load_based: true,
     });
 }
 
@@ -199,6 +228,7 @@ fn the_planner_scales_real_decode_workers_from_one_to_two_and_back() {
         heavy: ("4", "20"),
         light_secs: "20",
         lengths: ("96", "32"),
+        load_based: false,
     });
 }
 

@@ -73,6 +73,7 @@ pub struct Metrics {
     worker_steps: Family<WorkerLabel, Counter>,
     worker_prefill_queue: Family<WorkerLabel, Gauge>,
     worker_role: Family<RoleLabel, Gauge>,
+    worker_step: Family<RoleLabel, GaugeF>,
     role_running: Family<Labels1, Gauge>,
     role_waiting: Family<Labels1, Gauge>,
     role_kv_active: Family<Labels1, Gauge>,
@@ -226,6 +227,17 @@ impl Metrics {
                 );
                 f
             },
+            worker_step: {
+                let f = Family::<RoleLabel, GaugeF>::default();
+                r.register(
+                    "worker_step_sums",
+                    "Sums over the worker's steps (sum=n: steps; x1: prompt tokens; x2: context \
+                     of the decoded tokens; y: seconds; x1x1, x1x2, x2x2, x1y, x2y, yy: products; \
+                     qy: queued prompt tokens x seconds): a least-squares fit of step time",
+                    f.clone(),
+                );
+                f
+            },
             role_running: role!("role_running_requests", "Sequences computing, by role"),
             role_waiting: role!("role_queue_depth", "Requests waiting for admission, by role"),
             role_kv_active: role!("role_kv_blocks_active", "KV blocks in use, by role"),
@@ -321,6 +333,7 @@ impl Metrics {
             f.clear();
         }
         self.worker_role.clear();
+        self.worker_step.clear();
         self.tiers.clear();
         for f in
             [&self.role_running, &self.role_waiting, &self.role_kv_active, &self.role_prefill_queue]
@@ -356,6 +369,11 @@ impl Metrics {
             self.worker_kv_usage.get_or_create(&l).set(f64::from(m.load.kv_usage()));
             self.worker_hit_rate.get_or_create(&l).set(m.prefix_hit_rate());
             self.tiers.set(w.id, &m.tiers);
+            for (name, v) in kvx_proto::StepSums::NAMES.iter().zip(m.step.values()) {
+                self.worker_step
+                    .get_or_create(&[("worker", w.id.to_string()), ("sum", (*name).into())])
+                    .set(v);
+            }
             // The worker's own totals since it started (a restarted worker starts again at 0).
             for (f, v) in [
                 (&self.worker_finished, m.finished),
@@ -485,6 +503,7 @@ mod tests {
                 cached_tokens: cached,
                 generated_tokens: 3 * prompt,
                 finished: id + 7,
+                step: kvx_proto::StepSums { n: 3.0, y: 0.25, ..Default::default() },
                 ..Default::default()
             },
         };
@@ -513,6 +532,9 @@ mod tests {
             "kvx_time_to_first_token_seconds_count 1",
             "kvx_rate_limited_total{reason=\"rpm\"} 1",
             "kvx_rate_limited_total{reason=\"tpm\"} 0",
+            "kvx_worker_step_sums{worker=\"1\",sum=\"n\"} 3.0",
+            "kvx_worker_step_sums{worker=\"1\",sum=\"y\"} 0.25",
+            "kvx_worker_step_sums{worker=\"0\",sum=\"qy\"} 0.0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

@@ -232,7 +232,7 @@ mod tests {
         };
         let profile: kvx_proto::profile::Profile =
             serde_json::from_str(include_str!("../tests/data/profile.json")).unwrap();
-        let planner = Planner::new(cfg, profile).unwrap();
+        let planner = Planner::new(cfg, Some(profile)).unwrap();
         let mut d = Driver::new(planner, Box::new(Fake(Replicas::default(), Vec::new())));
         assert!(d.tick(&text(0)).unwrap().is_none());
         assert_eq!(d.actual().unwrap(), Replicas { prefill: 1, decode: 1 });

@@ -2,10 +2,13 @@
 //! counters and histograms, and the difference of two reads as one interval's load and
 //! latencies — requests arrived (finished, plus the change in those in flight) and finished,
 //! mean prompt and output lengths, TTFT and ITL means and
-//! 90th percentiles (as PromQL's `histogram_quantile` computes them), workers up by role.
+//! 90th percentiles (as PromQL's `histogram_quantile` computes them), workers up by role,
+//! and each worker's steps in the interval (the sums its step-time fit needs) and prefill
+//! queue.
 
 use std::collections::HashMap;
 
+use kvx_proto::StepSums;
 use serde::Serialize;
 
 /// A cumulative histogram: `(upper bound, count at or below it)` in ascending bounds.
@@ -88,6 +91,19 @@ pub struct Sample {
     pub itl: Histogram,
     /// Workers up, by role (`agg`, `prefill`, `decode`).
     pub workers: HashMap<String, u32>,
+    /// Each worker up: its role, step sums and prefill queue, by worker id.
+    pub steps: HashMap<String, WorkerSteps>,
+}
+
+/// A worker's steps: cumulative in a [`Sample`], the interval's in an [`Observation`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkerSteps {
+    /// Its role.
+    pub role: String,
+    /// Sums over its steps.
+    pub sums: StepSums,
+    /// Prompt tokens queued at the read.
+    pub queued: f64,
 }
 
 /// One interval's load and latencies.
@@ -114,6 +130,10 @@ pub struct Observation {
     pub itl_p90_ms: Option<f64>,
     /// Workers up at its end, by role.
     pub workers: HashMap<String, u32>,
+    /// Each worker up at its end: its steps in the interval (all of them for one that was
+    /// not up at the start), by worker id.
+    #[serde(skip)]
+    pub steps: HashMap<String, WorkerSteps>,
 }
 
 impl Sample {
@@ -142,6 +162,8 @@ impl Sample {
                     | "kvx_output_tokens_total"
                     | "kvx_worker_up"
                     | "kvx_worker_role"
+                    | "kvx_worker_step_sums"
+                    | "kvx_worker_prefill_queue_tokens"
             ) || name.starts_with("kvx_time_to_first_token_seconds")
                 || name.starts_with("kvx_inter_token_latency_seconds");
             if !wanted {
@@ -163,6 +185,16 @@ impl Sample {
                 "kvx_worker_role" => {
                     if let (Some(w), Some(r), true) = (label("worker"), label("role"), v > 0.0) {
                         roles.push((w, r));
+                    }
+                }
+                "kvx_worker_step_sums" => {
+                    if let (Some(w), Some(sum)) = (label("worker"), label("sum")) {
+                        s.steps.entry(w).or_default().sums.set(&sum, v);
+                    }
+                }
+                "kvx_worker_prefill_queue_tokens" => {
+                    if let Some(w) = label("worker") {
+                        s.steps.entry(w).or_default().queued = v;
                     }
                 }
                 _ => {
@@ -191,9 +223,11 @@ impl Sample {
         for h in [&mut s.ttft, &mut s.itl] {
             h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
         }
+        s.steps.retain(|w, _| up.get(w).copied().unwrap_or(false));
         for (w, r) in roles {
             if up.get(&w).copied().unwrap_or(false) {
-                *s.workers.entry(r).or_default() += 1;
+                *s.workers.entry(r.clone()).or_default() += 1;
+                s.steps.entry(w).or_default().role = r;
             }
         }
         Ok(s)
@@ -220,6 +254,17 @@ impl Sample {
             itl_mean_ms: ms(itl.mean()),
             itl_p90_ms: ms(itl.quantile(0.9)),
             workers: self.workers.clone(),
+            steps: self
+                .steps
+                .iter()
+                .map(|(w, now)| {
+                    let sums = match earlier.steps.get(w) {
+                        Some(then) => now.sums.since(&then.sums),
+                        None => now.sums,
+                    };
+                    (w.clone(), WorkerSteps { role: now.role.clone(), sums, queued: now.queued })
+                })
+                .collect(),
         }
     }
 }
@@ -272,6 +317,10 @@ mod tests {
              kvx_worker_role{{worker=\"1\",role=\"prefill\"}} 1\n\
              kvx_worker_role{{worker=\"2\",role=\"decode\"}} 1\n\
              kvx_worker_role{{worker=\"3\",role=\"decode\"}} 1\n\
+             kvx_worker_step_sums{{worker=\"1\",sum=\"n\"}} {finished}\n\
+             kvx_worker_step_sums{{worker=\"1\",sum=\"y\"}} {ttft_sum}\n\
+             kvx_worker_step_sums{{worker=\"2\",sum=\"n\"}} 7\n\
+             kvx_worker_prefill_queue_tokens{{worker=\"1\"}} 300\n\
              kvx_unrelated{{a=\"b\"}} 5 1700000000\n",
             finished * 10,
             finished / 10,
@@ -298,6 +347,13 @@ mod tests {
         // 20 new TTFTs: 0 under 0.1 s, 18 in (0.1, 0.5], 2 above. p90 = rank 18 = 0.5 s.
         assert!((o.ttft_p90_ms.unwrap() - 500.0).abs() < 1e-9);
         assert_eq!(o.itl_mean_ms, None, "no ITL series");
+        assert_eq!(o.steps.len(), 2, "workers 1 and 3 are up, 2 is down");
+        assert_eq!(o.steps["3"].sums.n, 0.0);
+        let w1 = &o.steps["1"];
+        assert_eq!(
+            (w1.role.as_str(), w1.sums.n, w1.sums.y, w1.queued),
+            ("prefill", 20.0, 5.0, 300.0)
+        );
     }
 
     #[test]

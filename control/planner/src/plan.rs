@@ -11,6 +11,10 @@
 //! ITL at the batch each worker held, by Little's law) bounds the batch; the profile's best
 //! output tokens per second within it, at a context of `isl + osl/2`, sets each worker's
 //! share of the predicted output tokens per second.
+//!
+//! With load-based sizing on ([`crate::load`]), each pool may also move by one from what runs
+//! on the workers' own step times; the profile's sizing, when there is a profile, is the
+//! floor.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -18,6 +22,7 @@ use std::time::Duration;
 use kvx_proto::profile::Profile;
 use serde::Serialize;
 
+use crate::load::{LoadConfig, LoadSizer, LoadView, PoolLoad};
 use crate::observe::Observation;
 use crate::predict::{Predictor, PredictorKind};
 
@@ -94,6 +99,9 @@ pub struct PlannerConfig {
     /// decision; 1.5 sizes for the end of the next interval, so a rising trend is met where
     /// it will be rather than where it was.
     pub lookahead: f64,
+    /// Load-based sizing from the workers' step times (`None`: off; then a profile is
+    /// needed).
+    pub load: Option<LoadConfig>,
 }
 
 impl Default for PlannerConfig {
@@ -107,6 +115,7 @@ impl Default for PlannerConfig {
             cooldown: Duration::from_secs(120),
             max_correction: 4.0,
             lookahead: 1.5,
+            load: None,
         }
     }
 }
@@ -144,6 +153,14 @@ impl PlannerConfig {
         if !(0.0..=16.0).contains(&self.lookahead) {
             return bad("the lookahead must be between 0 and 16 intervals".into());
         }
+        if let Some(l) = self.load {
+            if !(l.sensitivity > 0.0 && l.sensitivity <= 1.0) {
+                return bad("the load sensitivity must be in (0, 1]".into());
+            }
+            if l.window == 0 || l.chunk_tokens.is_nan() || l.chunk_tokens < 1.0 {
+                return bad("load-based sizing needs a window and a batched-token budget".into());
+            }
+        }
         Ok(())
     }
 }
@@ -180,6 +197,8 @@ pub struct Decision {
     pub target: Replicas,
     /// What ran when it was made.
     pub actual: Replicas,
+    /// Load-based sizing's view of both pools (when it runs).
+    pub load: Option<LoadView>,
     /// One line on why.
     pub reason: String,
 }
@@ -188,7 +207,8 @@ pub struct Decision {
 #[derive(Debug)]
 pub struct Planner {
     cfg: PlannerConfig,
-    profile: Profile,
+    profile: Option<Profile>,
+    load: Option<LoadSizer>,
     requests: Predictor,
     isl: Predictor,
     osl: Predictor,
@@ -199,13 +219,33 @@ pub struct Planner {
     decisions: u64,
 }
 
+/// What the profile asks for, and what it needs to say what a target gives.
+struct ProfileSizing {
+    want: (f64, f64),
+    corrections: (f64, f64),
+    prompt_tok_s: f64,
+    idle_ms: f64,
+    ctx: f64,
+    rate: f64,
+    reason: String,
+}
+
 impl Planner {
-    /// A planner over workers described by `profile`.
-    pub fn new(cfg: PlannerConfig, profile: Profile) -> Result<Self, PlanError> {
+    /// A planner over workers described by `profile` (throughput-based sizing), with
+    /// load-based sizing too when the configuration asks for it; without a profile,
+    /// load-based sizing alone.
+    pub fn new(cfg: PlannerConfig, profile: Option<Profile>) -> Result<Self, PlanError> {
         cfg.validate()?;
-        profile.validate()?;
+        if let Some(p) = &profile {
+            p.validate()?;
+        } else if cfg.load.is_none() {
+            return Err(PlanError::Invalid(
+                "without a profile the planner needs load-based sizing".into(),
+            ));
+        }
         let p = cfg.predictor;
         Ok(Planner {
+            load: cfg.load.map(LoadSizer::new),
             cfg,
             profile,
             requests: p.build(),
@@ -250,72 +290,40 @@ impl Planner {
             osl: self.osl.predict(),
         };
         let t = self.cfg.targets;
-        let clamp_corr = |c: f64| c.clamp(1.0 / self.cfg.max_correction, self.cfg.max_correction);
         let rate_now = obs.requests / secs;
         // The pools are sized for the larger of the rate expected `lookahead` intervals on and
         // what was just measured: a trend that turns is not followed below the demand
         // already there.
         let ahead = self.requests.predict_ahead(self.cfg.lookahead);
         let rate = ahead.max(rate_now);
-
-        // Prefill: the correction compares the measured TTFT with the model at the measured
-        // utilisation.
-        let t0 = |isl: f64| self.profile.ttft_ms(isl);
-        let cap = |isl: f64| self.profile.prefill_tok_s(isl);
-        let p_corr = match (obs.ttft_p90_ms, actual.prefill) {
-            (Some(m), n) if n > 0 && obs.finished > 0.0 && obs.isl > 0.0 => {
-                let rho = (rate_now * obs.isl / (f64::from(n) * cap(obs.isl))).min(0.95);
-                clamp_corr(m / (t0(obs.isl) / (1.0 - rho)))
-            }
-            _ => 1.0,
-        };
-        let idle = t0(predicted.isl) * p_corr;
-        let rho_max = (1.0 - idle / t.ttft_ms).clamp(0.05, 0.95);
-        let prompt_tok_s = rate * predicted.isl;
-        let want_p = (prompt_tok_s / (cap(predicted.isl) * rho_max)).ceil();
-
-        // Decode: the correction compares the measured mean ITL with the profile at the batch
-        // each worker held (Little's law: requests × output tokens × mean ITL).
-        let ctx = predicted.isl + predicted.osl / 2.0;
-        let d_corr = match (obs.itl_mean_ms, actual.decode) {
-            (Some(m), n) if n > 0 && obs.finished > 0.0 => {
-                let batch = (rate_now * obs.osl * m / 1e3 / f64::from(n)).max(1.0);
-                clamp_corr(m / self.profile.itl_ms(batch, obs.isl + obs.osl / 2.0))
-            }
-            _ => 1.0,
-        };
-        let itl_budget = t.itl_ms / d_corr;
-        let out_tok_s = rate * predicted.osl;
-        let (mut want_d, per_decode, slots) = match self.profile.decode_capacity(ctx, itl_budget) {
-            Some((tok_s, b)) => ((out_tok_s / tok_s).ceil(), Some(tok_s), b),
-            // Even one sequence is slower than the budget: no batch meets it, so each worker
-            // runs one sequence at a time (the target is missed by what one step takes).
-            None => {
-                let one = 1e3 / self.profile.itl_ms(1.0, ctx).max(1e-3);
-                ((out_tok_s / one).ceil(), None, 1.0)
+        let sizing = self.profile.as_ref().map(|profile| {
+            size_by_profile(&self.cfg, profile, obs, actual, &predicted, rate, rate_now, ahead)
+        });
+        let load = self.load.as_mut().map(|l| {
+            let isl = if predicted.isl > 0.0 { predicted.isl } else { obs.isl };
+            l.observe(obs, secs, isl, (t.ttft_ms, t.itl_ms), (actual.prefill, actual.decode))
+        });
+        // Throughput-based sizing sets the floor; load-based sizing moves a pool by one from
+        // what runs.
+        let want = |i: usize| {
+            let tp = sizing.as_ref().map(|s| if i == 0 { s.want.0 } else { s.want.1 });
+            let ld = load.as_ref().map(|v| {
+                let (pool, now) =
+                    if i == 0 { (&v.prefill, actual.prefill) } else { (&v.decode, actual.decode) };
+                f64::from(now) + f64::from(pool.step)
+            });
+            match (tp, ld) {
+                (Some(a), Some(b)) => a.max(b),
+                (Some(a), None) | (None, Some(a)) => a,
+                (None, None) => 0.0,
             }
         };
-        // A request that finds every sequence slot of the pool taken — what the workers' KV
-        // caches hold — waits for a sequence to end (seconds, past any TTFT target), so at
-        // most `WAIT_SHARE` of them may: Erlang C over the pool's slots, each held for the
-        // output's length at the batch's ITL. (Past the batch that meets the ITL target a
-        // request is batched, slower, not kept waiting: the throughput sizing covers that.)
-        let kv_slots = self.profile.max_batch(ctx).max(1.0);
-        let hold_s = predicted.osl * self.profile.itl_ms(slots, ctx) * d_corr / 1e3;
-        let offered = rate * hold_s;
-        let wait_share = |n: f64| erlang_c(n * kv_slots, offered);
-        // Every request in flight at the frontend needs a place in a batch that meets the ITL
-        // target (a backlog drains only so).
-        want_d = want_d.max(1.0).max((obs.inflight / slots).ceil());
-        while want_d < f64::from(self.cfg.decode.max) && wait_share(want_d) > WAIT_SHARE {
-            want_d += 1.0;
-        }
         let bound = |want: f64, b: Bounds| {
             (want.max(0.0).min(f64::from(u32::MAX)) as u32).clamp(b.min, b.max)
         };
         let desired = Replicas {
-            prefill: bound(want_p, self.cfg.prefill),
-            decode: bound(want_d, self.cfg.decode),
+            prefill: bound(want(0), self.cfg.prefill),
+            decode: bound(want(1), self.cfg.decode),
         };
 
         // Guardrails.
@@ -347,70 +355,177 @@ impl Planner {
             self.changed_at[i] = Some(now_s);
         }
         self.last = Some(target);
-
-        // What the target is expected to give.
-        let rho = if target.prefill > 0 {
-            (prompt_tok_s / (f64::from(target.prefill) * cap(predicted.isl))).min(0.99)
-        } else {
-            0.99
-        };
-        let expected_ttft_ms = idle / (1.0 - rho);
-        // The batch each decode worker holds at the target, by Little's law (sequences = rate
-        // × output tokens × ITL at that batch), found by iterating to its fixed point.
-        let max_batch = self.profile.max_batch(ctx).max(1.0);
-        let mut batch = 1.0;
-        if target.decode > 0 {
-            let per = rate * predicted.osl / 1e3 / f64::from(target.decode);
-            for _ in 0..64 {
-                let next =
-                    (per * self.profile.itl_ms(batch, ctx) * d_corr).clamp(1.0, 4.0 * max_batch);
-                if (next - batch).abs() < 1e-3 {
-                    break;
-                }
-                batch = next;
-            }
-        }
-        let expected_itl_ms = self.profile.itl_ms(batch, ctx) * d_corr;
         if reason.is_empty() {
             reason.push_str("no change; ");
         }
-        let _ = write!(
-            reason,
-            "next {:.2} req/s ({:.2} {} intervals on) × {:.0} prompt / {:.0} output tokens ({}; {:.2} measured, {:.0} in flight): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured; {:.0} sequences held, {:.0}% wait for a slot)",
-            predicted.requests_per_s,
-            ahead,
-            self.cfg.lookahead,
-            predicted.isl,
-            predicted.osl,
-            self.cfg.predictor,
-            rate_now,
-            obs.inflight,
-            prompt_tok_s,
-            cap(predicted.isl),
-            rho_max,
-            t0(predicted.isl),
-            p_corr,
-            out_tok_s,
-            per_decode
-                .map_or("one sequence each (no batch meets it)".to_string(), |v| format!("{v:.0}")),
-            itl_budget,
-            d_corr,
-            offered,
-            100.0 * wait_share(f64::from(target.decode)),
-        );
+
+        let (expected_ttft_ms, expected_itl_ms, corrections) = match (&sizing, &self.profile) {
+            (Some(s), Some(profile)) => {
+                let (ttft, itl) = expected(profile, s, &predicted, target);
+                reason.push_str(&s.reason);
+                (ttft, itl, s.corrections)
+            }
+            // Load-based alone: the highest estimate at the workers running.
+            _ => {
+                let _ = write!(
+                    reason,
+                    "next {:.2} req/s ({:.2} measured, {:.0} in flight) × {:.0} prompt / {:.0} output tokens",
+                    predicted.requests_per_s, rate_now, obs.inflight, predicted.isl, predicted.osl
+                );
+                let v = load.as_ref();
+                let hi = |f: fn(&LoadView) -> &PoolLoad| v.map_or(0.0, |v| f(v).estimate_ms.1);
+                (hi(|v| &v.prefill), hi(|v| &v.decode), (1.0, 1.0))
+            }
+        };
+        if let Some(v) = &load {
+            let _ = write!(reason, "; {}", v.describe());
+        }
         Decision {
             id: self.decisions,
             observed: obs.clone(),
             predicted,
-            corrections: (p_corr, d_corr),
+            corrections,
             expected_ttft_ms,
             expected_itl_ms,
             desired,
             target,
             actual,
+            load,
             reason,
         }
     }
+}
+
+/// Throughput-based sizing from the profile.
+///
+/// Prefill: the correction compares the measured TTFT with the model at the measured
+/// utilisation. Decode: the correction compares the measured mean ITL with the profile at
+/// the batch each worker held (Little's law: requests × output tokens × mean ITL).
+#[allow(clippy::too_many_arguments)]
+fn size_by_profile(
+    cfg: &PlannerConfig,
+    profile: &Profile,
+    obs: &Observation,
+    actual: Replicas,
+    predicted: &Load,
+    rate: f64,
+    rate_now: f64,
+    ahead: f64,
+) -> ProfileSizing {
+    let t = cfg.targets;
+    let clamp_corr = |c: f64| c.clamp(1.0 / cfg.max_correction, cfg.max_correction);
+    let t0 = |isl: f64| profile.ttft_ms(isl);
+    let cap = |isl: f64| profile.prefill_tok_s(isl);
+    let p_corr = match (obs.ttft_p90_ms, actual.prefill) {
+        (Some(m), n) if n > 0 && obs.finished > 0.0 && obs.isl > 0.0 => {
+            let rho = (rate_now * obs.isl / (f64::from(n) * cap(obs.isl))).min(0.95);
+            clamp_corr(m / (t0(obs.isl) / (1.0 - rho)))
+        }
+        _ => 1.0,
+    };
+    let idle = t0(predicted.isl) * p_corr;
+    let rho_max = (1.0 - idle / t.ttft_ms).clamp(0.05, 0.95);
+    let prompt_tok_s = rate * predicted.isl;
+    let want_p = (prompt_tok_s / (cap(predicted.isl) * rho_max)).ceil();
+
+    let ctx = predicted.isl + predicted.osl / 2.0;
+    let d_corr = match (obs.itl_mean_ms, actual.decode) {
+        (Some(m), n) if n > 0 && obs.finished > 0.0 => {
+            let batch = (rate_now * obs.osl * m / 1e3 / f64::from(n)).max(1.0);
+            clamp_corr(m / profile.itl_ms(batch, obs.isl + obs.osl / 2.0))
+        }
+        _ => 1.0,
+    };
+    let itl_budget = t.itl_ms / d_corr;
+    let out_tok_s = rate * predicted.osl;
+    let (mut want_d, per_decode, slots) = match profile.decode_capacity(ctx, itl_budget) {
+        Some((tok_s, b)) => ((out_tok_s / tok_s).ceil(), Some(tok_s), b),
+        // Even one sequence is slower than the budget: no batch meets it, so each worker
+        // runs one sequence at a time (the target is missed by what one step takes).
+        None => {
+            let one = 1e3 / profile.itl_ms(1.0, ctx).max(1e-3);
+            ((out_tok_s / one).ceil(), None, 1.0)
+        }
+    };
+    // A request that finds every sequence slot of the pool taken — what the workers' KV
+    // caches hold — waits for a sequence to end (seconds, past any TTFT target), so at
+    // most `WAIT_SHARE` of them may: Erlang C over the pool's slots, each held for the
+    // output's length at the batch's ITL. (Past the batch that meets the ITL target a
+    // request is batched, slower, not kept waiting: the throughput sizing covers that.)
+    let kv_slots = profile.max_batch(ctx).max(1.0);
+    let hold_s = predicted.osl * profile.itl_ms(slots, ctx) * d_corr / 1e3;
+    let offered = rate * hold_s;
+    let wait_share = |n: f64| erlang_c(n * kv_slots, offered);
+    // Every request in flight at the frontend needs a place in a batch that meets the ITL
+    // target (a backlog drains only so).
+    want_d = want_d.max(1.0).max((obs.inflight / slots).ceil());
+    while want_d < f64::from(cfg.decode.max) && wait_share(want_d) > WAIT_SHARE {
+        want_d += 1.0;
+    }
+    let reason = format!(
+        "next {:.2} req/s ({:.2} {} intervals on) × {:.0} prompt / {:.0} output tokens ({}; {:.2} measured, {:.0} in flight): prefill {:.0} tok/s over {:.0} per worker at ρ ≤ {:.2} (TTFT {:.0} ms idle, ×{:.2} measured), decode {:.0} tok/s over {} per worker within ITL {:.1} ms (×{:.2} measured; {:.0} sequences held, {:.0}% wait for a slot)",
+        predicted.requests_per_s,
+        ahead,
+        cfg.lookahead,
+        predicted.isl,
+        predicted.osl,
+        cfg.predictor,
+        rate_now,
+        obs.inflight,
+        prompt_tok_s,
+        cap(predicted.isl),
+        rho_max,
+        t0(predicted.isl),
+        p_corr,
+        out_tok_s,
+        per_decode
+            .map_or("one sequence each (no batch meets it)".to_string(), |v| format!("{v:.0}")),
+        itl_budget,
+        d_corr,
+        offered,
+        100.0 * wait_share(want_d.max(f64::from(actual.decode)).max(1.0)),
+    );
+    ProfileSizing {
+        want: (want_p, want_d),
+        corrections: (p_corr, d_corr),
+        prompt_tok_s,
+        idle_ms: idle,
+        ctx,
+        rate,
+        reason,
+    }
+}
+
+/// The TTFT and ITL (ms) the profile expects at `target`.
+fn expected(
+    profile: &Profile,
+    s: &ProfileSizing,
+    predicted: &Load,
+    target: Replicas,
+) -> (f64, f64) {
+    let cap = profile.prefill_tok_s(predicted.isl);
+    let rho = if target.prefill > 0 {
+        (s.prompt_tok_s / (f64::from(target.prefill) * cap)).min(0.99)
+    } else {
+        0.99
+    };
+    let ttft = s.idle_ms / (1.0 - rho);
+    // The batch each decode worker holds at the target, by Little's law (sequences = rate
+    // × output tokens × ITL at that batch), found by iterating to its fixed point.
+    let d_corr = s.corrections.1;
+    let max_batch = profile.max_batch(s.ctx).max(1.0);
+    let mut batch = 1.0;
+    if target.decode > 0 {
+        let per = s.rate * predicted.osl / 1e3 / f64::from(target.decode);
+        for _ in 0..64 {
+            let next = (per * profile.itl_ms(batch, s.ctx) * d_corr).clamp(1.0, 4.0 * max_batch);
+            if (next - batch).abs() < 1e-3 {
+                break;
+            }
+            batch = next;
+        }
+    }
+    (ttft, profile.itl_ms(batch, s.ctx) * d_corr)
 }
 
 #[cfg(test)]
@@ -464,6 +579,7 @@ mod tests {
             cooldown: Duration::from_secs(30),
             max_correction: 4.0,
             lookahead: 1.5,
+            load: None,
         }
     }
 
@@ -479,12 +595,13 @@ mod tests {
             itl_mean_ms: Some(itl),
             itl_p90_ms: Some(itl),
             workers: Default::default(),
+            steps: Default::default(),
         }
     }
 
     #[test]
     fn pools_follow_the_load_as_the_profile_says() {
-        let mut p = Planner::new(cfg(), profile()).unwrap();
+        let mut p = Planner::new(cfg(), Some(profile())).unwrap();
         // 10 req/s × 2000 tokens = 20,000 prompt tok/s; a worker prefills 2000 tokens in
         // 110 ms (18,182 tok/s) and may run at ρ ≤ 1 − 110/500 = 0.78 → 14,182 → 2 workers.
         // Decode: 2,000 output tok/s; within 50 ms a worker runs batch 40 → 800 tok/s → 3.
@@ -515,7 +632,7 @@ mod tests {
     fn a_change_under_way_is_held_and_slow_measurements_add_workers() {
         let ttft = 110.0 / (1.0 - 20_000.0 / 36_363.636_36);
         let now = Replicas { prefill: 2, decode: 4 };
-        let mut p = Planner::new(cfg(), profile()).unwrap();
+        let mut p = Planner::new(cfg(), Some(profile())).unwrap();
         let d = p.decide(0.0, 10.0, &obs(10.0, ttft, 20.0), now);
         assert_eq!(d.target.decode, 3);
         // Twice the load while four decode workers still run: the pool is held at 3.
@@ -525,7 +642,7 @@ mod tests {
         assert!(d.reason.contains("decode held at 3 (4 running"), "{}", d.reason);
         // ITL measured at 150 ms where the profile says 85 (batch 75 per worker): the budget
         // shrinks by that factor and more decode workers are asked for than at 20 ms.
-        let mut q = Planner::new(cfg(), profile()).unwrap();
+        let mut q = Planner::new(cfg(), Some(profile())).unwrap();
         let slow = q.decide(0.0, 10.0, &obs(10.0, ttft, 150.0), now);
         assert!((slow.corrections.1 - 150.0 / 85.0).abs() < 1e-6, "{slow:?}");
         assert!(slow.desired.decode > 3, "{}", slow.reason);
@@ -537,7 +654,7 @@ mod tests {
     fn a_rising_trend_is_met_where_it_will_be() {
         let run = |predictor: &str, lookahead: f64| {
             let cfg = PlannerConfig { predictor: predictor.parse().unwrap(), lookahead, ..cfg() };
-            let mut p = Planner::new(cfg, profile()).unwrap();
+            let mut p = Planner::new(cfg, Some(profile())).unwrap();
             let mut d = None;
             for i in 0..6 {
                 let rate = 2.0 + 2.0 * f64::from(i);
@@ -559,10 +676,10 @@ mod tests {
     fn a_target_no_batch_meets_sizes_one_sequence_per_worker() {
         let tight = PlannerConfig { targets: Targets { ttft_ms: 500.0, itl_ms: 8.0 }, ..cfg() };
         let one = Replicas { prefill: 1, decode: 1 };
-        let mut p = Planner::new(tight.clone(), profile()).unwrap();
+        let mut p = Planner::new(tight.clone(), Some(profile())).unwrap();
         assert_eq!(p.decide(0.0, 10.0, &obs(0.3, 100.0, 11.0), one).desired.decode, 1);
         // 2 req/s × 200 tokens over 1000 / 11 tokens/s per worker.
-        let mut p = Planner::new(tight, profile()).unwrap();
+        let mut p = Planner::new(tight, Some(profile())).unwrap();
         assert_eq!(p.decide(0.0, 10.0, &obs(2.0, 100.0, 11.0), one).desired.decode, 5);
     }
 
@@ -586,7 +703,7 @@ mod tests {
         // (2 prefill workers at ρ 0.08; 2 decode workers at batch ~1.8 and 11.76 ms).
         let mut small = profile();
         small.shape.kv_blocks = 1024;
-        let mut p = Planner::new(cfg(), small).unwrap();
+        let mut p = Planner::new(cfg(), Some(small)).unwrap();
         let ttft = 110.0 / (1.0 - 1.5 * 2000.0 / 36_363.636_36);
         let d =
             p.decide(0.0, 10.0, &obs(1.5, ttft, 11.764_705_88), Replicas { prefill: 2, decode: 2 });
@@ -600,7 +717,7 @@ mod tests {
     fn a_falling_trend_is_not_followed_below_the_measured_load_and_a_backlog_gets_slots() {
         let mut c = cfg();
         c.predictor = PredictorKind::Holt { alpha: 0.5, beta: 0.5 };
-        let mut p = Planner::new(c, profile()).unwrap();
+        let mut p = Planner::new(c, Some(profile())).unwrap();
         let now = Replicas { prefill: 2, decode: 4 };
         for (i, rate) in [12.0, 8.0, 4.0].into_iter().enumerate() {
             p.decide(10.0 * i as f64, 10.0, &obs(rate, 200.0, 20.0), now);
@@ -624,19 +741,60 @@ mod tests {
     fn bounds_and_settings() {
         let mut c = cfg();
         c.prefill = Bounds { min: 2, max: 3 };
-        let mut p = Planner::new(c.clone(), profile()).unwrap();
+        let mut p = Planner::new(c.clone(), Some(profile())).unwrap();
         let d = p.decide(0.0, 10.0, &obs(100.0, 200.0, 30.0), Replicas { prefill: 2, decode: 1 });
         assert_eq!(d.desired.prefill, 3);
-        let mut fresh = Planner::new(c.clone(), profile()).unwrap();
+        let mut fresh = Planner::new(c.clone(), Some(profile())).unwrap();
         let d2 = fresh.decide(0.0, 10.0, &obs(0.0, 0.0, 0.0), Replicas { prefill: 2, decode: 1 });
         assert_eq!(d2.desired.prefill, 2);
         c.decode = Bounds { min: 3, max: 2 };
-        assert!(Planner::new(c, profile()).is_err());
+        assert!(Planner::new(c, Some(profile())).is_err());
         let mut c = cfg();
         c.targets.itl_ms = 0.0;
-        assert!(Planner::new(c, profile()).is_err());
+        assert!(Planner::new(c, Some(profile())).is_err());
         let mut bad = profile();
         bad.decode.swap(0, 1);
-        assert!(matches!(Planner::new(cfg(), bad), Err(PlanError::Profile(_))));
+        assert!(matches!(Planner::new(cfg(), Some(bad)), Err(PlanError::Profile(_))));
+    }
+
+    /// Decode steps of `context` tokens (± half) at 2 ms + 0.001 ms a token on `n` workers.
+    fn with_steps(mut o: Observation, n: usize, context: f64) -> Observation {
+        for w in 0..n {
+            let mut s = kvx_proto::StepSums::default();
+            for i in 0..99 {
+                let x2 = context * (0.5 + f64::from(i % 3) * 0.5);
+                s.add(0.0, x2, 2e-3 + 1e-6 * x2, 0.0);
+            }
+            let steps = crate::observe::WorkerSteps { role: "decode".into(), sums: s, queued: 0.0 };
+            o.steps.insert(format!("d{w}"), steps);
+        }
+        o
+    }
+
+    #[test]
+    fn load_based_sizing_moves_a_pool_by_one_and_the_profile_is_its_floor() {
+        let load = PlannerConfig { load: Some(LoadConfig::default()), ..cfg() };
+        assert!(Planner::new(cfg(), None).is_err(), "neither a profile nor load-based sizing");
+        let mut p = Planner::new(load.clone(), None).unwrap();
+        let now = Replicas { prefill: 1, decode: 2 };
+        // Every decode worker steps in 62 ms (> 50): one more.
+        let d = p.decide(0.0, 10.0, &with_steps(obs(1.0, 100.0, 62.0), 2, 60_000.0), now);
+        assert_eq!(d.desired.decode, 3, "{}", d.reason);
+        assert!((d.expected_itl_ms - 62.0).abs() < 0.01, "{d:?}");
+        assert!(d.reason.contains("load: decode step 2.0 ms"), "{}", d.reason);
+        assert_eq!(d.load.as_ref().map(|v| v.decode.step), Some(1));
+        // With the profile too: at 10 req/s it asks for 3 decode workers, load-based sizing
+        // for 3 − 1 (12 ms now, 17 with one fewer): the profile's 3 stands.
+        let mut p = Planner::new(load, Some(profile())).unwrap();
+        let ttft = 110.0 / (1.0 - 20_000.0 / 36_363.636_36);
+        let three = Replicas { prefill: 2, decode: 3 };
+        let d = p.decide(0.0, 10.0, &with_steps(obs(10.0, ttft, 20.0), 3, 10_000.0), three);
+        assert_eq!(d.load.as_ref().map(|v| v.decode.step), Some(-1));
+        assert_eq!(d.desired.decode, 3, "{}", d.reason);
+        let bad = PlannerConfig {
+            load: Some(LoadConfig { sensitivity: 0.0, ..LoadConfig::default() }),
+            ..cfg()
+        };
+        assert!(bad.validate().is_err());
     }
 }

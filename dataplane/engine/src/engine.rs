@@ -16,7 +16,7 @@ use kvx_kernels::par::ThreadPool;
 use kvx_proto::KvRole;
 use kvx_proto::hashing::seed_for;
 use kvx_proto::{
-    FinishReason, GenerateRequest, LoadReport, RequestId, TopLogprob, Usage, WorkerId,
+    FinishReason, GenerateRequest, LoadReport, RequestId, StepSums, TopLogprob, Usage, WorkerId,
 };
 use kvx_tokenizer::Tokenizer;
 
@@ -264,7 +264,7 @@ impl StepOutput {
 }
 
 /// Engine counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineStats {
     /// Steps run.
     pub steps: u64,
@@ -280,6 +280,9 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Requests finished (any reason).
     pub finished: u64,
+    /// Sums over the steps of their prompt tokens, decode context and wall time (the
+    /// planner's step-time regression).
+    pub step: StepSums,
 }
 
 struct SeqState {
@@ -756,6 +759,7 @@ impl Engine {
         lower: Option<&mut dyn LowerTiers>,
     ) -> Result<&StepOutput, EngineError> {
         let t0 = Instant::now();
+        let queued = self.sched.queued_prefill_tokens();
         self.out.clear();
         for (id, usage) in self.cancelled.drain(..) {
             let finish = Some(FinishReason::Cancelled);
@@ -776,8 +780,13 @@ impl Engine {
 
         // Forward pass over borrowed token slices and block tables.
         let mut chunks = recycle(std::mem::take(&mut self.chunk_buf));
+        // The context the step's decoded tokens attend.
+        let mut decode_context = 0usize;
         for c in &self.plan.chunks {
             if let Some(seq) = self.sched.seq(c.seq) {
+                if c.len == 1 && c.start >= seq.prompt_len {
+                    decode_context += c.start + 1;
+                }
                 // A greedy request that reads nothing but its token needs only the first
                 // maximum of its logits (the model may then screen the head). A constrained
                 // one reads the best token its grammar allows, which need not be that
@@ -939,7 +948,14 @@ impl Engine {
             let by_id = &self.by_id;
             self.forks.retain(|id, f| by_id.get(id) == Some(&f.sid));
         }
-        self.last_step_ms = t0.elapsed().as_secs_f32() * 1e3;
+        let secs = t0.elapsed().as_secs_f64();
+        self.last_step_ms = (secs * 1e3) as f32;
+        self.stats.step.add(
+            self.plan.num_prefill_tokens as f64,
+            decode_context as f64,
+            secs,
+            queued as f64,
+        );
         Ok(&self.out)
     }
 

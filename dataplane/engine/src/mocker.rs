@@ -223,4 +223,44 @@ mod tests {
             assert!(t == 1 || t == 3);
         }
     }
+
+    /// The step sums count every step: its prompt tokens, the context its decoded tokens
+    /// attended, its time and the prompt queued at its start.
+    #[test]
+    fn step_sums_count_what_each_step_did() {
+        use crate::engine::{Engine, EngineConfig};
+        use crate::scheduler::SchedulerConfig;
+        use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
+        let backend = MockBackend::new(MockConfig {
+            n_vocab: 64,
+            n_blocks: 64,
+            speedup: 1e3,
+            avoid: Vec::new(),
+        });
+        let sched = SchedulerConfig { max_batched_tokens: 64, ..SchedulerConfig::default() };
+        let mut e = Engine::new(EngineConfig { sched, worker_id: 1 }, Box::new(backend), None);
+        let stop = StopConditions { max_tokens: 5, ignore_eos: true, ..Default::default() };
+        let prompt: Vec<u32> = (0..100).map(|i| i % 60).collect();
+        let req = GenerateRequest::new(RequestId(1), prompt, SamplingOptions::default(), stop);
+        e.add(&req).expect("added");
+        let mut generated = 0;
+        while e.has_work() {
+            generated +=
+                e.step().expect("step").events.iter().filter(|v| v.token.is_some()).count();
+        }
+        assert_eq!(generated, 5);
+        let st = e.stats();
+        let s = st.step;
+        assert_eq!(s.n, st.steps as f64);
+        assert_eq!(s.n, 6.0, "two prompt chunks (64 + 36 tokens), four decode steps");
+        assert_eq!(s.x1, 100.0);
+        assert_eq!(s.x1x1, 64.0 * 64.0 + 36.0 * 36.0);
+        // Decoded at positions 100..=103: contexts 101..=104.
+        assert_eq!(s.x2, 410.0);
+        assert_eq!(s.x1x2, 0.0, "no step both prefilled and decoded");
+        assert!(s.y > 0.0 && s.yy > 0.0 && s.x1y > 0.0 && s.x2y > 0.0);
+        // Queued at the first step's start: 99 prompt tokens (the last one is computed with
+        // the first decode's token), at the second 35.
+        assert!(s.qy > 0.0 && s.qy <= 99.0 * s.y);
+    }
 }

@@ -14,7 +14,7 @@ pub mod wire;
 
 pub use events::{KvEvent, KvEventData, StorageTier, StoredBlock};
 pub use hashing::{BlockHasher, LocalBlockHash, SequenceHash, XXH3_SEED};
-pub use load::{LoadReport, TierMetrics, WorkerMetrics};
+pub use load::{LoadReport, StepSums, TierMetrics, WorkerMetrics};
 pub use request::{
     Constraint, ErrorClass, FinishReason, Fork, GenerateRequest, KvDest, KvNote, KvRole,
     KvTransfer, Logprob, Output, OutputDelta, RequestId, SamplingOptions, StopConditions,

@@ -58,6 +58,114 @@ pub struct WorkerMetrics {
     /// The KV tiers below the engine's pool (all zero without tiers).
     #[serde(default)]
     pub tiers: TierMetrics,
+    /// Sums over the worker's steps of what a step did and how long it took.
+    #[serde(default)]
+    pub step: StepSums,
+}
+
+/// Sums over a worker's steps, since it started, of each step's prompt tokens `x1`, the
+/// context its decoded sequences attended `x2` (tokens), its wall time `y` (seconds) and the
+/// prompt tokens queued at its start `q`: the sufficient statistics of a least-squares fit
+/// `y = a + b·x1 + c·x2` over any run of steps (the difference of two reads), and, with `qy`
+/// (queued tokens × seconds), the time-weighted prefill queue. No step is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepSums {
+    /// Steps.
+    pub n: f64,
+    /// Σ x1.
+    pub x1: f64,
+    /// Σ x2.
+    pub x2: f64,
+    /// Σ y.
+    pub y: f64,
+    /// Σ x1².
+    pub x1x1: f64,
+    /// Σ x1·x2.
+    pub x1x2: f64,
+    /// Σ x2².
+    pub x2x2: f64,
+    /// Σ x1·y.
+    pub x1y: f64,
+    /// Σ x2·y.
+    pub x2y: f64,
+    /// Σ y².
+    pub yy: f64,
+    /// Σ q·y.
+    pub qy: f64,
+}
+
+impl StepSums {
+    /// The names of the sums, in [`StepSums::values`] order.
+    pub const NAMES: [&'static str; 11] =
+        ["n", "x1", "x2", "y", "x1x1", "x1x2", "x2x2", "x1y", "x2y", "yy", "qy"];
+
+    /// Counts a step of `prefill` prompt tokens and `decode_context` attended decode tokens
+    /// that took `secs`, with `queued` prompt tokens waiting at its start.
+    pub fn add(&mut self, prefill: f64, decode_context: f64, secs: f64, queued: f64) {
+        let (x1, x2, y) = (prefill, decode_context, secs);
+        self.n += 1.0;
+        self.x1 += x1;
+        self.x2 += x2;
+        self.y += y;
+        self.x1x1 += x1 * x1;
+        self.x1x2 += x1 * x2;
+        self.x2x2 += x2 * x2;
+        self.x1y += x1 * y;
+        self.x2y += x2 * y;
+        self.yy += y * y;
+        self.qy += queued * y;
+    }
+
+    /// The sums as an array, in [`StepSums::NAMES`] order.
+    pub fn values(&self) -> [f64; 11] {
+        [
+            self.n, self.x1, self.x2, self.y, self.x1x1, self.x1x2, self.x2x2, self.x1y, self.x2y,
+            self.yy, self.qy,
+        ]
+    }
+
+    /// Sets the sum called `name`; false for an unknown name.
+    pub fn set(&mut self, name: &str, v: f64) -> bool {
+        let slot = match name {
+            "n" => &mut self.n,
+            "x1" => &mut self.x1,
+            "x2" => &mut self.x2,
+            "y" => &mut self.y,
+            "x1x1" => &mut self.x1x1,
+            "x1x2" => &mut self.x1x2,
+            "x2x2" => &mut self.x2x2,
+            "x1y" => &mut self.x1y,
+            "x2y" => &mut self.x2y,
+            "yy" => &mut self.yy,
+            "qy" => &mut self.qy,
+            _ => return false,
+        };
+        *slot = v;
+        true
+    }
+
+    /// The steps between `earlier` and `self` (a worker that restarted counts from zero).
+    pub fn since(&self, earlier: &StepSums) -> StepSums {
+        if self.n < earlier.n {
+            return *self;
+        }
+        let (a, b) = (self.values(), earlier.values());
+        let mut out = StepSums::default();
+        for (i, name) in Self::NAMES.iter().enumerate() {
+            out.set(name, a[i] - b[i]);
+        }
+        out
+    }
+
+    /// The steps of both.
+    pub fn plus(&self, other: &StepSums) -> StepSums {
+        let (a, b) = (self.values(), other.values());
+        let mut out = StepSums::default();
+        for (i, name) in Self::NAMES.iter().enumerate() {
+            out.set(name, a[i] + b[i]);
+        }
+        out
+    }
 }
 
 /// Counters of a worker's KV tiers below its engine's pool: G2 (host memory) and G3 (disk).

@@ -141,6 +141,7 @@ impl ShardStatus {
             finished: self.stats.finished,
             steps: self.stats.steps,
             tiers: self.tiers,
+            step: self.stats.step,
         }
     }
 }

@@ -188,7 +188,7 @@ enum Up {
     Kv(KvEvents),
     Note(Note),
     Snapshot(Snapshot),
-    Load(Load),
+    Load(Box<Load>),
 }
 
 fn decode(k: u8, payload: &[u8]) -> Result<Option<Up>, WireError> {
@@ -198,7 +198,7 @@ fn decode(k: u8, payload: &[u8]) -> Result<Option<Up>, WireError> {
         kind::KV_EVENTS => Up::Kv(wire::decode(payload)?),
         kind::NOTE => Up::Note(wire::decode(payload)?),
         kind::SNAPSHOT => Up::Snapshot(wire::decode(payload)?),
-        kind::LOAD => Up::Load(wire::decode(payload)?),
+        kind::LOAD => Up::Load(Box::new(wire::decode(payload)?)),
         _ => return Ok(None), // heartbeats, and kinds of newer peers
     }))
 }

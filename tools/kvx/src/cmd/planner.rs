@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use kvx_planner::connector::{Connector, LocalConnector, VirtualConnector};
 use kvx_planner::driver::Driver;
+use kvx_planner::load::LoadConfig;
 use kvx_planner::plan::{Bounds, Planner, PlannerConfig, Replicas, Targets};
 use kvx_planner::predict::PredictorKind;
 use kvx_planner::service::{ServiceConfig, run as serve};
@@ -30,9 +31,24 @@ pub(crate) struct PlannerArgs {
     /// The frontend whose /metrics the planner reads (`http://host:port`).
     #[arg(long, env = "KVX_PLANNER_FRONTEND")]
     frontend: String,
-    /// The worker profile (`kvx profile --out`).
+    /// The worker profile (`kvx profile --out`): throughput-based sizing. Without one the
+    /// planner sizes the pools from the workers' step times alone (load-based).
     #[arg(long, env = "KVX_PLANNER_PROFILE")]
-    profile: PathBuf,
+    profile: Option<PathBuf>,
+    /// Load-based sizing beside the profile's (the profile's is the floor); on without a
+    /// profile.
+    #[arg(long, env = "KVX_PLANNER_LOAD_BASED")]
+    load_based: bool,
+    /// Load-based: a pool shrinks only when every worker's estimate with one worker fewer is
+    /// under the target × this.
+    #[arg(long, env = "KVX_PLANNER_LOAD_SENSITIVITY", default_value_t = 0.8)]
+    load_sensitivity: f64,
+    /// Load-based: intervals of steps each step-time fit is made from.
+    #[arg(long, env = "KVX_PLANNER_LOAD_WINDOW", default_value_t = 8)]
+    load_window: usize,
+    /// Load-based: the workers' batched-token budget (prompts are computed in such chunks).
+    #[arg(long, env = "KVX_MAX_BATCHED_TOKENS", default_value_t = 512)]
+    max_batched_tokens: usize,
     /// TTFT target, 90th percentile, milliseconds.
     #[arg(long, env = "KVX_PLANNER_TTFT_MS", default_value_t = 500.0)]
     ttft: f64,
@@ -92,7 +108,7 @@ pub(crate) struct PlannerArgs {
 }
 
 pub(crate) fn run(args: PlannerArgs) -> Result<()> {
-    let profile = Profile::read(&args.profile)?;
+    let profile = args.profile.as_deref().map(Profile::read).transpose()?;
     let secs = |v: f64, name: &str| -> Result<Duration> {
         if !(v.is_finite() && v > 0.0) {
             bail!("--{name} must be a positive number of seconds");
@@ -107,6 +123,11 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
         predictor: args.predictor,
         cooldown: secs(args.cooldown.max(1e-3), "cooldown")?,
         lookahead: args.lookahead,
+        load: (args.load_based || profile.is_none()).then_some(LoadConfig {
+            sensitivity: args.load_sensitivity,
+            window: args.load_window,
+            chunk_tokens: args.max_batched_tokens as f64,
+        }),
         ..PlannerConfig::default()
     };
     let planner = Planner::new(cfg.clone(), profile)?;
