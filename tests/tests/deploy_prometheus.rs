@@ -277,6 +277,25 @@ fn prometheus_reads_what_kvx_bench_measured_and_every_panel_has_data() {
         assert!(Instant::now() < end, "prometheus never scraped kvx");
         std::thread::sleep(Duration::from_millis(500));
     }
+    // A second planner reading the same frontend through the server (`--prometheus-url`:
+    // its /federate of the job's kvx_* series).
+    let (decision2, ack2) = (tmp.join("decision2.json"), tmp.join("ack2.json"));
+    let mut federated = PlannerProc::start(&[
+        "--prometheus-url",
+        &format!("http://{}", prom.addr),
+        "--prometheus-selector",
+        "{__name__=~\"kvx_.+\",job=\"kvx\"}",
+        "--profile",
+        &profile,
+        "--connector",
+        "virtual",
+        "--decision-file",
+        &decision2.display().to_string(),
+        "--ack-file",
+        &ack2.display().to_string(),
+        "--planner-interval",
+        "2",
+    ]);
     std::thread::sleep(Duration::from_secs(5));
 
     // Closed loop, 4 streams, 40 s; prompts long enough to be prefilled remotely, and a
@@ -359,6 +378,39 @@ fn prometheus_reads_what_kvx_bench_measured_and_every_panel_has_data() {
         assert!(any, "panel {title:?} shows nothing");
     }
     assert!(empty.is_empty(), "queries without data:\n{}", empty.join("\n"));
+
+    // Both planners saw every request finish (the federated one once a scrape after the last
+    // landed), with the same prompt tokens, and both pools up.
+    let mut planner = planner;
+    let seen = |p: &mut PlannerProc| {
+        let d = p.poll();
+        let finished: f64 =
+            d.iter().map(|d| d["observed"]["finished"].as_f64().unwrap_or(0.0)).sum();
+        let tokens: f64 = d
+            .iter()
+            .map(|d| {
+                let o = &d["observed"];
+                o["finished"].as_f64().unwrap_or(0.0) * o["isl"].as_f64().unwrap_or(0.0)
+            })
+            .sum();
+        let pools = d.iter().any(|d| {
+            d["observed"]["workers"]["prefill"] == 1 && d["observed"]["workers"]["decode"] == 1
+        });
+        (finished, tokens, pools)
+    };
+    let end = Instant::now() + Duration::from_secs(40);
+    while (seen(&mut planner).0 < completed || seen(&mut federated).0 < completed)
+        && Instant::now() < end
+    {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (direct, through) = (seen(&mut planner), seen(&mut federated));
+    eprintln!("finished, prompt tokens, pools up: /metrics {direct:?}; Prometheus {through:?}");
+    assert_eq!(direct.0, completed, "the planner reading /metrics");
+    assert_eq!(through.0, completed, "the planner reading Prometheus");
+    assert!((through.1 - direct.1).abs() <= 1e-6 * direct.1, "{direct:?} {through:?}");
+    assert!(direct.2 && through.2, "both saw one prefill and one decode worker");
+    drop(federated);
     drop(planner);
     drop(prom);
     drop(served);

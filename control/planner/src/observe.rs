@@ -138,7 +138,8 @@ pub struct Observation {
 
 impl Sample {
     /// Reads the Prometheus text format. Unknown series are ignored; a malformed line of a
-    /// series it reads is an error.
+    /// series it reads is an error. A series present for several frontends (a Prometheus
+    /// server's federation) is their sum.
     pub fn parse(text: &str) -> Result<Sample, String> {
         let mut s = Sample::default();
         let mut up: HashMap<String, bool> = HashMap::new();
@@ -173,7 +174,7 @@ impl Sample {
             let label = |key: &str| label(labels, key);
             match name {
                 "kvx_requests_finished_total" => s.requests += v,
-                "kvx_inflight_requests" => s.inflight = v,
+                "kvx_inflight_requests" => s.inflight += v,
                 "kvx_admission_refused_total" => s.refused += v,
                 "kvx_input_tokens_total" => s.input_tokens += v,
                 "kvx_output_tokens_total" => s.output_tokens += v,
@@ -208,8 +209,8 @@ impl Sample {
                         continue;
                     };
                     match part {
-                        "_sum" => h.sum = v,
-                        "_count" => h.count = v,
+                        "_sum" => h.sum += v,
+                        "_count" => h.count += v,
                         "_bucket" => {
                             let le = label("le").and_then(|l| parse_value(&l));
                             let le = le.ok_or_else(|| format!("bucket without le in {line:?}"))?;
@@ -221,7 +222,15 @@ impl Sample {
             }
         }
         for h in [&mut s.ttft, &mut s.itl] {
+            // Buckets of several frontends (read through Prometheus) add up.
             h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+            h.buckets.dedup_by(|later, first| {
+                let same = later.0 == first.0;
+                if same {
+                    first.1 += later.1;
+                }
+                same
+            });
         }
         s.steps.retain(|w, _| up.get(w).copied().unwrap_or(false));
         for (w, r) in roles {
@@ -354,6 +363,27 @@ mod tests {
             (w1.role.as_str(), w1.sums.n, w1.sums.y, w1.queued),
             ("prefill", 20.0, 5.0, 300.0)
         );
+    }
+
+    /// Two frontends' series as a Prometheus server federates them (extra labels, timestamps):
+    /// the sum of both.
+    #[test]
+    fn federated_series_of_several_frontends_add_up() {
+        let one = |instance: &str, f: u32, inflight: u32| {
+            format!(
+                "# TYPE kvx_requests_finished_total counter\n\
+                 kvx_requests_finished_total{{instance=\"{instance}\",job=\"kvx\",reason=\"stop\"}} {f} 1733400000000\n\
+                 kvx_inflight_requests{{instance=\"{instance}\",job=\"kvx\"}} {inflight} 1733400000000\n\
+                 kvx_time_to_first_token_seconds_bucket{{instance=\"{instance}\",job=\"kvx\",le=\"0.1\"}} {f} 1733400000000\n\
+                 kvx_time_to_first_token_seconds_bucket{{instance=\"{instance}\",job=\"kvx\",le=\"+Inf\"}} {f} 1733400000000\n\
+                 kvx_time_to_first_token_seconds_sum{{instance=\"{instance}\",job=\"kvx\"}} 0.5 1733400000000\n\
+                 kvx_time_to_first_token_seconds_count{{instance=\"{instance}\",job=\"kvx\"}} {f} 1733400000000\n"
+            )
+        };
+        let s = Sample::parse(&(one("a:1", 10, 2) + &one("b:2", 30, 3))).unwrap();
+        assert_eq!((s.requests, s.inflight), (40.0, 5.0));
+        assert_eq!(s.ttft.buckets, vec![(0.1, 40.0), (f64::INFINITY, 40.0)]);
+        assert_eq!((s.ttft.sum, s.ttft.count), (1.0, 40.0));
     }
 
     #[test]

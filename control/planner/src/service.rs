@@ -1,6 +1,7 @@
-//! `kvx planner` as a process: every interval it reads the frontend's `/metrics` over HTTP,
-//! ticks the [`Driver`], writes each decision as one JSON line (stdout and, when asked, a
-//! file), and serves its own metrics at `/metrics`.
+//! `kvx planner` as a process: every interval it reads the frontend's metrics over HTTP —
+//! its `/metrics`, or a Prometheus server's `/federate` of the `kvx_*` series it scrapes from
+//! the frontends (summed over them) — ticks the [`Driver`], writes each decision as one JSON
+//! line (stdout and, when asked, a file), and serves its own metrics at `/metrics`.
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -24,16 +25,56 @@ pub enum ServiceError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The frontend's address is not `host:port` or `http://host:port`.
-    #[error("frontend address {0:?}: give host:port or http://host:port")]
+    /// An address is not `host:port` or `http://host:port`.
+    #[error("address {0:?}: give host:port or http://host:port")]
     Address(String),
+}
+
+/// Where the frontends' metrics are read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A frontend's `/metrics` (`http://host:port`).
+    Frontend(String),
+    /// A Prometheus server (`http://host:port`) that scrapes the frontends: its
+    /// `/federate` endpoint, for the series `selector` picks (the `kvx_*` series of one job,
+    /// say), each the sum over the frontends. The values are those of the last scrape.
+    Prometheus {
+        /// The server.
+        url: String,
+        /// A series selector.
+        selector: String,
+    },
+}
+
+/// The selector `kvx planner --prometheus-url` uses by default: every `kvx_*` series.
+pub const DEFAULT_SELECTOR: &str = "{__name__=~\"kvx_.+\"}";
+
+impl Source {
+    /// The server's `host:port` and the path read.
+    fn target(&self) -> Result<(String, String), ServiceError> {
+        let (url, path) = match self {
+            Source::Frontend(u) => (u, "/metrics".to_string()),
+            Source::Prometheus { url, selector } => {
+                let q = percent_encoding::utf8_percent_encode(
+                    selector,
+                    percent_encoding::NON_ALPHANUMERIC,
+                );
+                (url, format!("/federate?match%5B%5D={q}"))
+            }
+        };
+        let authority = url.trim_start_matches("http://").trim_end_matches('/').to_string();
+        if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
+            return Err(ServiceError::Address(url.clone()));
+        }
+        Ok((authority, path))
+    }
 }
 
 /// The process's settings.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// The frontend (`http://host:port`).
-    pub frontend: String,
+    /// Where the metrics are read.
+    pub source: Source,
     /// Seconds between ticks.
     pub interval: Duration,
     /// Where the planner's own `/metrics` listens.
@@ -44,15 +85,15 @@ pub struct ServiceConfig {
     pub ticks: Option<u64>,
 }
 
-/// The frontend's metrics, at most 16 MiB of them.
-async fn fetch(authority: &str) -> Result<String, String> {
+/// `path` of `authority`, at most 16 MiB of it.
+async fn fetch(authority: &str, path: &str) -> Result<String, String> {
     let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| e.to_string())?;
     let (mut send, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    let req = hyper::Request::get("/metrics")
+    let req = hyper::Request::get(path)
         .header(hyper::header::HOST, authority)
         .body(Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
@@ -74,10 +115,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
     listening: impl FnOnce(SocketAddr),
 ) -> Result<(), ServiceError> {
-    let authority = cfg.frontend.trim_start_matches("http://").trim_end_matches('/').to_string();
-    if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
-        return Err(ServiceError::Address(cfg.frontend.clone()));
-    }
+    let (authority, path) = cfg.source.target()?;
     let io = |what: &str| {
         let what = what.to_string();
         move |source| ServiceError::Io { what, source }
@@ -120,12 +158,12 @@ pub async fn run(
         // A frontend that does not answer within an interval is a failed tick, not a stall.
         let fetched = tokio::select! {
             _ = &mut shutdown => break,
-            r = tokio::time::timeout(cfg.interval, fetch(&authority)) => r,
+            r = tokio::time::timeout(cfg.interval, fetch(&authority, &path)) => r,
         };
         let result = match fetched {
             Ok(Ok(t)) => driver.tick(&t).map_err(|e| e.to_string()),
-            Ok(Err(e)) => Err(format!("reading http://{authority}/metrics: {e}")),
-            Err(_) => Err(format!("http://{authority}/metrics did not answer within the interval")),
+            Ok(Err(e)) => Err(format!("reading http://{authority}{path}: {e}")),
+            Err(_) => Err(format!("http://{authority}{path} did not answer within the interval")),
         };
         match result {
             Ok(Some(d)) => {
@@ -154,4 +192,23 @@ pub async fn run(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_name_a_server_and_a_path() {
+        let f = Source::Frontend("http://127.0.0.1:8000/".into());
+        assert_eq!(f.target().unwrap(), ("127.0.0.1:8000".into(), "/metrics".into()));
+        let p =
+            Source::Prometheus { url: "127.0.0.1:9090".into(), selector: DEFAULT_SELECTOR.into() };
+        assert_eq!(
+            p.target().unwrap().1,
+            "/federate?match%5B%5D=%7B%5F%5Fname%5F%5F%3D%7E%22kvx%5F%2E%2B%22%7D"
+        );
+        assert!(Source::Frontend("http://host/metrics".into()).target().is_err());
+        assert!(Source::Frontend("nowhere".into()).target().is_err());
+    }
 }

@@ -12,7 +12,7 @@ use kvx_planner::driver::Driver;
 use kvx_planner::load::LoadConfig;
 use kvx_planner::plan::{Bounds, Planner, PlannerConfig, Replicas, Targets};
 use kvx_planner::predict::PredictorKind;
-use kvx_planner::service::{ServiceConfig, run as serve};
+use kvx_planner::service::{DEFAULT_SELECTOR, ServiceConfig, Source, run as serve};
 use kvx_proto::profile::Profile;
 
 use super::http_opts::shutdown_signal;
@@ -29,8 +29,22 @@ pub(crate) enum ConnectorArg {
 #[derive(Debug, Args)]
 pub(crate) struct PlannerArgs {
     /// The frontend whose /metrics the planner reads (`http://host:port`).
-    #[arg(long, env = "KVX_PLANNER_FRONTEND")]
-    frontend: String,
+    #[arg(
+        long,
+        env = "KVX_PLANNER_FRONTEND",
+        required_unless_present = "prometheus_url",
+        conflicts_with = "prometheus_url"
+    )]
+    frontend: Option<String>,
+    /// Instead of one frontend: a Prometheus server that scrapes the frontends
+    /// (`http://host:port`); the planner reads their series through its /federate endpoint,
+    /// summed over the frontends.
+    #[arg(long, env = "KVX_PLANNER_PROMETHEUS_URL")]
+    prometheus_url: Option<String>,
+    /// With --prometheus-url: the series selector federated (name a job or a deployment's
+    /// labels when the server scrapes more than one).
+    #[arg(long, env = "KVX_PLANNER_PROMETHEUS_SELECTOR", default_value = DEFAULT_SELECTOR)]
+    prometheus_selector: String,
     /// The worker profile (`kvx profile --out`): throughput-based sizing. Without one the
     /// planner sizes the pools from the workers' step times alone (load-based).
     #[arg(long, env = "KVX_PLANNER_PROFILE")]
@@ -151,7 +165,13 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
         }
     };
     let service = ServiceConfig {
-        frontend: args.frontend.clone(),
+        source: match (&args.frontend, &args.prometheus_url) {
+            (Some(f), _) => Source::Frontend(f.clone()),
+            (None, Some(url)) => {
+                Source::Prometheus { url: url.clone(), selector: args.prometheus_selector.clone() }
+            }
+            (None, None) => bail!("give --frontend or --prometheus-url"),
+        },
         interval: cfg.interval,
         metrics_listen: args.metrics_listen,
         decisions: args.decisions.clone(),
