@@ -9,6 +9,7 @@ use std::process::{Command, Output};
 
 pub mod certs;
 pub mod etcd;
+pub mod kube;
 pub mod netns;
 pub mod planes;
 pub mod serve;

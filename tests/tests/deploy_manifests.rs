@@ -300,6 +300,60 @@ fn every_kvx_container_serves_the_model_the_values_name() {
     assert!(seen >= 2, "only {seen} kvx containers checked (frontend and workers)");
 }
 
+/// The planner's Kubernetes connector is pointed at what the chart renders: the worker
+/// Deployments it scales exist, in the release's namespace, its frontend is the frontend
+/// Service, and its Role may get and update their scale (all the connector does). In
+/// aggregated mode (no pools to scale) the chart refuses the planner.
+#[test]
+fn the_planner_scales_the_deployments_the_chart_renders() {
+    let objs = objects(&helm_template(Some("ci/frontend-discovery-values.yaml")));
+    let named = |kind: &str, name: &str| {
+        objs.iter().any(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+    };
+    let planner = objs
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "kvx-planner")
+        .expect("the planner Deployment");
+    let c = &planner["spec"]["template"]["spec"]["containers"][0];
+    let env = |k: &str| -> String {
+        c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"] == k)
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("the planner has no {k}"))
+            .to_string()
+    };
+    assert_eq!(env("KVX_PLANNER_CONNECTOR"), "kubernetes");
+    for k in ["KVX_PLANNER_K8S_PREFILL", "KVX_PLANNER_K8S_DECODE"] {
+        assert!(named("Deployment", &env(k)), "{k}={} is not rendered", env(k));
+    }
+    assert_eq!(env("KVX_PLANNER_K8S_NAMESPACE"), "kvx");
+    let svc = env("KVX_PLANNER_FRONTEND");
+    let host = svc.trim_start_matches("http://").split(':').next().unwrap_or_default();
+    assert!(named("Service", host), "KVX_PLANNER_FRONTEND={svc}");
+    assert_eq!(env("KVX_PLANNER_PROFILE"), "/etc/kvx/profile/profile.json");
+    let role = objs
+        .iter()
+        .find(|o| o["kind"] == "Role" && o["metadata"]["name"] == "kvx-planner")
+        .expect("the planner's Role");
+    let scale = role["rules"].as_array().into_iter().flatten().any(|r| {
+        let has = |k: &str, v: &str| r[k].as_array().is_some_and(|a| a.iter().any(|x| x == v));
+        has("apiGroups", "apps")
+            && has("resources", "deployments/scale")
+            && has("verbs", "get")
+            && has("verbs", "update")
+    });
+    assert!(scale, "the Role does not allow get and update on deployments/scale: {role}");
+
+    let mut cmd = Command::new(tool("KVX_HELM"));
+    cmd.args(["template", "kvx"]).arg(chart());
+    cmd.args(["--set", "planner.enabled=true", "--set", "mode=agg"]);
+    let out = run(&mut cmd);
+    assert!(!out.status.success() && text(&out).contains("needs mode=disagg"), "{}", text(&out));
+}
+
 #[test]
 fn monitors_match_the_operator_fields_and_select_the_frontend() {
     let objs = objects(&helm_template(Some("ci/all-on-values.yaml")));

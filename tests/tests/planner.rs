@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvx_e2e::kube::{FakeKube, Spawn};
 use kvx_e2e::planes::{FAST_HEARTBEAT, Frontend, PlannerProc};
 use kvx_e2e::serve::{Endpoint, http, metric_in};
 use kvx_e2e::{kvx, kvx_ok, test_model};
@@ -76,6 +77,46 @@ struct Scenario<'a> {
     lengths: (&'a str, &'a str),
     /// Whether the planner sizes from the workers' step times alone (no profile).
     load_based: bool,
+    /// Whether the workers are two Deployments behind a (stand-in) Kubernetes API server,
+    /// rather than the planner's own processes.
+    kube: bool,
+}
+
+/// The stand-in API server with `kvx-prefill` and `kvx-decode` Deployments of one replica in
+/// namespace `kvx`, whose pods are `kvx worker --role R WORKER_ARGS` (logs in `logs`); the
+/// planner's flags to scale them (a kubeconfig with the server's token).
+fn kube_fleet(worker_args: &str, logs: &std::path::Path) -> (FakeKube, Vec<String>) {
+    std::fs::create_dir_all(logs).unwrap();
+    let (args, logs2) = (worker_args.to_string(), logs.to_path_buf());
+    let spawn: Spawn = Box::new(move |name, i| {
+        let role = name.trim_start_matches("kvx-");
+        let log = std::fs::File::create(logs2.join(format!("{name}-{i}.log"))).unwrap();
+        std::process::Command::new(kvx_e2e::kvx_bin())
+            .args(["worker", "--role", role])
+            .args(args.split_whitespace())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    });
+    let kube = FakeKube::start("planner-token-7", spawn);
+    kube.add("deployments", "kvx", "kvx-prefill", 1, false);
+    kube.add("deployments", "kvx", "kvx-decode", 1, false);
+    let kubeconfig = logs.join("kubeconfig");
+    std::fs::write(&kubeconfig, kube.kubeconfig("kvx")).unwrap();
+    let flags = [
+        "--connector",
+        "kubernetes",
+        "--kubeconfig",
+        &kubeconfig.to_string_lossy(),
+        "--k8s-prefill",
+        "kvx-prefill",
+        "--k8s-decode",
+        "kvx-decode",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    (kube, flags)
 }
 
 /// Profiles the engine, starts a frontend and a planner (local connector, 1 to 2 prefill and
@@ -109,17 +150,23 @@ fn scales_up_and_back(sc: &Scenario<'_>) {
     );
     let logs = dir.join("logs").to_string_lossy().into_owned();
     let sizing: &[&str] = if sc.load_based { &[] } else { &["--profile", &p] };
+    let local = ["--connector", "local", "--worker-args", &worker_args, "--worker-logs", &logs];
+    let (kube, kube_flags) = if sc.kube {
+        let (k, f) = kube_fleet(&worker_args, &dir.join("logs"));
+        // Two writes refused as if another writer had changed the Deployment first.
+        k.inject_conflicts(2);
+        (Some(k), f)
+    } else {
+        (None, Vec::new())
+    };
+    let kube_flags: Vec<&str> = kube_flags.iter().map(String::as_str).collect();
+    let connector: &[&str] = if sc.kube { &kube_flags } else { &local };
     let mut planner = PlannerProc::start(
         &[
             &["--frontend", &frontend],
             sizing,
+            connector,
             &[
-                "--connector",
-                "local",
-                "--worker-args",
-                &worker_args,
-                "--worker-logs",
-                &logs,
                 "--planner-interval",
                 "2",
                 "--cooldown",
@@ -175,8 +222,21 @@ fn scales_up_and_back(sc: &Scenario<'_>) {
     assert_eq!(metric_in(&m, "kvx_planner_desired_replicas{role=\"decode\"}"), Some(1.0), "{m}");
     assert!(metric_in(&m, "kvx_planner_decisions_total").unwrap() >= 10.0, "{m}");
 
-    // Stopping the planner stops its workers.
+    if let Some(k) = &kube {
+        // Every change went through the scale subresource: up, then down to one.
+        let decode: Vec<i32> =
+            k.writes().into_iter().filter(|w| w.0 == "kvx-decode").map(|w| w.1).collect();
+        assert!(decode.iter().any(|&n| n >= 2) && decode.last() == Some(&1), "{decode:?}");
+        let (conflicts, unauthorized) = k.refusals();
+        assert!(conflicts >= 2, "the injected conflicts were met and written again");
+        assert_eq!(unauthorized, 0, "every request carried the kubeconfig's token");
+        assert_eq!(k.replicas("deployments", "kvx", "kvx-decode"), Some((1, 1)));
+    }
+
+    // Stopping the planner stops its workers (local); the Deployments' pods stay until the
+    // cluster goes.
     assert!(planner.terminate(Duration::from_secs(30)).is_some_and(|s| s.success()));
+    drop(kube);
     f.wait_workers(0);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -194,6 +254,7 @@ fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
         light_secs: "16",
         lengths: ("256", "64"),
         load_based: false,
+        kube: false,
     });
 }
 
@@ -211,7 +272,106 @@ fn without_a_profile_the_decode_pool_follows_the_workers_step_times() {
         light_secs: "16",
         lengths: ("256", "64"),
         load_based: true,
+        kube: false,
     });
+}
+
+/// The Kubernetes connector: the pools are Deployments behind a loopback stand-in for the API
+/// server (scale subresource, resourceVersions, a bearer token; its controller runs a `kvx
+/// worker` per replica and SIGTERMs the ones removed). Sized from step times, as above.
+#[test]
+fn the_kubernetes_connector_scales_deployments_through_the_api_server() {
+    scales_up_and_back(&Scenario {
+        name: "kube",
+        engine: &["--engine", "mocker", "--mocker-blocks", "512"],
+        sweep: ["512", "4", "512"],
+        itl_over_one: 2.5,
+        heavy: ("16", "14"),
+        light_secs: "16",
+        lengths: ("256", "64"),
+        load_based: true,
+        kube: true,
+    });
+}
+
+/// A Deployment that is not there, or that the credentials may not scale, stops the planner
+/// at its start with the reason.
+#[test]
+fn the_kubernetes_connector_names_what_it_cannot_reach() {
+    let dir = std::env::temp_dir().join(format!("kvx-planner-kube-err-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let spawn: Spawn = Box::new(|_, _| panic!("no pods in this test"));
+    let kube = FakeKube::start("t0ken", spawn);
+    kube.add("deployments", "kvx", "kvx-prefill", 0, false);
+    kube.add("deployments", "kvx", "kvx-locked", 0, true);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("kubeconfig");
+    std::fs::write(&cfg, kube.kubeconfig("kvx")).unwrap();
+    let cfg = cfg.to_string_lossy().into_owned();
+    let run = |decode: &str| {
+        let o = kvx(&[
+            "planner",
+            "--frontend",
+            "http://127.0.0.1:9",
+            "--connector",
+            "kubernetes",
+            "--kubeconfig",
+            &cfg,
+            "--k8s-prefill",
+            "kvx-prefill",
+            "--k8s-decode",
+            decode,
+        ]);
+        assert!(!o.status.success());
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let missing = run("kvx-decode");
+    assert!(missing.contains("deployment kvx/kvx-decode not found"), "{missing}");
+    let locked = run("kvx-locked");
+    assert!(locked.contains("deployment kvx/kvx-locked: forbidden"), "{locked}");
+    // A wrong token: 401, named.
+    std::fs::write(&cfg, kube.kubeconfig("kvx").replace("t0ken", "wrong")).unwrap();
+    let denied = run("kvx-prefill");
+    assert!(denied.contains("Unauthorized"), "{denied}");
+    assert!(kube.refusals().1 >= 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A frontend whose /metrics needs its admin key: the planner reads it with `--admin-key`
+/// and decides; without the key every read is refused and nothing is decided.
+#[test]
+fn the_planner_reads_metrics_behind_an_admin_key() {
+    let f = Frontend::start(&["--admin-key", "adm-1"]);
+    let dir = std::env::temp_dir().join(format!("kvx-planner-admin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let (decision, ack) = (file("decision.json"), file("ack.json"));
+    let frontend = format!("http://{}", f.addr);
+    let planner = |key: &[&str]| {
+        let mut a = vec![
+            "--frontend",
+            &frontend,
+            "--connector",
+            "virtual",
+            "--decision-file",
+            &decision,
+            "--ack-file",
+            &ack,
+            "--planner-interval",
+            "0.3",
+        ];
+        a.extend_from_slice(key);
+        PlannerProc::start(&a)
+    };
+    let mut without = planner(&[]);
+    let mut with = planner(&["--admin-key", "adm-1"]);
+    let end = Instant::now() + Duration::from_secs(20);
+    while with.poll().is_empty() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!with.poll().is_empty(), "no decision with the admin key");
+    assert!(without.poll().is_empty(), "a decision without the key: {:?}", without.poll());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The real engine on the default model: decode workers go from one to two under four
@@ -229,6 +389,7 @@ fn the_planner_scales_real_decode_workers_from_one_to_two_and_back() {
         light_secs: "20",
         lengths: ("96", "32"),
         load_based: false,
+        kube: false,
     });
 }
 

@@ -7,7 +7,8 @@
 //!   and exits: a drain), and starts a worker again when one exits on its own.
 //! * [`VirtualConnector`] writes `{prefill, decode, decision_id}` for an outside system and
 //!   reports a decision's counts once that system writes `{"scaled_decision_id": N}` back.
-//! * A Kubernetes connector (scaling Deployments through the API server) is not built yet.
+//! * [`crate::kubernetes::KubernetesConnector`] sets the replicas of two Deployments (or
+//!   StatefulSets) through the API server.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

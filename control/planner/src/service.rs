@@ -75,6 +75,8 @@ impl Source {
 pub struct ServiceConfig {
     /// Where the metrics are read.
     pub source: Source,
+    /// A bearer token sent with each read (a frontend's admin key).
+    pub bearer: Option<String>,
     /// Seconds between ticks.
     pub interval: Duration,
     /// Where the planner's own `/metrics` listens.
@@ -86,17 +88,18 @@ pub struct ServiceConfig {
 }
 
 /// `path` of `authority`, at most 16 MiB of it.
-async fn fetch(authority: &str, path: &str) -> Result<String, String> {
+async fn fetch(authority: &str, path: &str, bearer: Option<&str>) -> Result<String, String> {
     let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| e.to_string())?;
     let (mut send, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    let req = hyper::Request::get(path)
-        .header(hyper::header::HOST, authority)
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| e.to_string())?;
+    let mut req = hyper::Request::get(path).header(hyper::header::HOST, authority);
+    if let Some(t) = bearer {
+        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    let req = req.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
     let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
         return Err(format!("HTTP {}", resp.status()));
@@ -158,7 +161,7 @@ pub async fn run(
         // A frontend that does not answer within an interval is a failed tick, not a stall.
         let fetched = tokio::select! {
             _ = &mut shutdown => break,
-            r = tokio::time::timeout(cfg.interval, fetch(&authority, &path)) => r,
+            r = tokio::time::timeout(cfg.interval, fetch(&authority, &path, cfg.bearer.as_deref())) => r,
         };
         let result = match fetched {
             Ok(Ok(t)) => driver.tick(&t).map_err(|e| e.to_string()),

@@ -1,5 +1,6 @@
 //! `kvx planner`: flags and wiring of the SLA planner process (kvx-planner's driver and
-//! service): a profile, targets, pool bounds, a predictor and a connector.
+//! service): a profile, targets, pool bounds, a predictor and a connector (local, virtual or
+//! Kubernetes).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use kvx_planner::connector::{Connector, LocalConnector, VirtualConnector};
 use kvx_planner::driver::Driver;
+use kvx_planner::kubernetes::{KubernetesConnector, KubernetesTarget, WorkloadKind};
 use kvx_planner::load::LoadConfig;
 use kvx_planner::plan::{Bounds, Planner, PlannerConfig, Replicas, Targets};
 use kvx_planner::predict::PredictorKind;
@@ -24,6 +26,17 @@ pub(crate) enum ConnectorArg {
     Local,
     /// A decision file for an outside system, acknowledged through another file.
     Virtual,
+    /// Two Deployments (or StatefulSets) scaled through the Kubernetes API server.
+    Kubernetes,
+}
+
+/// The kind of the Kubernetes workloads scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum KindArg {
+    /// apps/v1 Deployments.
+    Deployment,
+    /// apps/v1 StatefulSets.
+    Statefulset,
 }
 
 #[derive(Debug, Args)]
@@ -36,6 +49,10 @@ pub(crate) struct PlannerArgs {
         conflicts_with = "prometheus_url"
     )]
     frontend: Option<String>,
+    /// The frontend's admin key, when /metrics needs one (`KVX_ADMIN_KEY`: the first of a
+    /// comma-separated list).
+    #[arg(long, env = "KVX_ADMIN_KEY", value_delimiter = ',', hide_env_values = true)]
+    admin_key: Vec<String>,
     /// Instead of one frontend: a Prometheus server that scrapes the frontends
     /// (`http://host:port`); the planner reads their series through its /federate endpoint,
     /// summed over the frontends.
@@ -110,6 +127,22 @@ pub(crate) struct PlannerArgs {
     /// Virtual: the acknowledgement file read (`{"scaled_decision_id": N}`).
     #[arg(long, env = "KVX_PLANNER_ACK_FILE")]
     ack_file: Option<PathBuf>,
+    /// Kubernetes: the prefill pool's workload.
+    #[arg(long, env = "KVX_PLANNER_K8S_PREFILL")]
+    k8s_prefill: Option<String>,
+    /// Kubernetes: the decode pool's workload.
+    #[arg(long, env = "KVX_PLANNER_K8S_DECODE")]
+    k8s_decode: Option<String>,
+    /// Kubernetes: the workloads' kind.
+    #[arg(long, value_enum, env = "KVX_PLANNER_K8S_KIND", default_value = "deployment")]
+    k8s_kind: KindArg,
+    /// Kubernetes: the workloads' namespace (default: the credentials' own).
+    #[arg(long, env = "KVX_PLANNER_K8S_NAMESPACE")]
+    k8s_namespace: Option<String>,
+    /// Kubernetes: a kubeconfig file (default: in-cluster credentials, else $KUBECONFIG or
+    /// ~/.kube/config).
+    #[arg(long, env = "KVX_PLANNER_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
     /// Where the planner's /metrics listens.
     #[arg(long, env = "KVX_PLANNER_METRICS", default_value = "127.0.0.1:0")]
     metrics_listen: SocketAddr,
@@ -163,6 +196,22 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
                 Replicas { prefill: args.min_prefill, decode: args.min_decode },
             ))
         }
+        ConnectorArg::Kubernetes => {
+            let (Some(p), Some(d)) = (&args.k8s_prefill, &args.k8s_decode) else {
+                bail!("--connector kubernetes needs --k8s-prefill and --k8s-decode")
+            };
+            let target = KubernetesTarget {
+                kind: match args.k8s_kind {
+                    KindArg::Deployment => WorkloadKind::Deployment,
+                    KindArg::Statefulset => WorkloadKind::StatefulSet,
+                },
+                namespace: args.k8s_namespace.clone(),
+                prefill: p.clone(),
+                decode: d.clone(),
+                kubeconfig: args.kubeconfig.clone(),
+            };
+            Box::new(KubernetesConnector::connect(target, Duration::from_secs(30))?)
+        }
     };
     let service = ServiceConfig {
         source: match (&args.frontend, &args.prometheus_url) {
@@ -172,6 +221,7 @@ pub(crate) fn run(args: PlannerArgs) -> Result<()> {
             }
             (None, None) => bail!("give --frontend or --prometheus-url"),
         },
+        bearer: args.admin_key.first().filter(|_| args.frontend.is_some()).cloned(),
         interval: cfg.interval,
         metrics_listen: args.metrics_listen,
         decisions: args.decisions.clone(),
