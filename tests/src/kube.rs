@@ -198,13 +198,6 @@ impl FakeKube {
                 reconcile(&ctl_shared, &spawn);
                 std::thread::sleep(Duration::from_millis(100));
             }
-            let mut g = ctl_shared.0.lock().unwrap_or_else(|e| e.into_inner());
-            for w in g.workloads.values_mut() {
-                for mut c in w.pods.drain(..).chain(w.stopping.drain(..)) {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-            }
         });
         FakeKube { addr, token: token.into(), shared, stop, threads: vec![server, controller] }
     }
@@ -289,6 +282,14 @@ impl Drop for FakeKube {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        // Every process it started, even if its controller died.
+        let mut g = self.shared.0.lock().unwrap_or_else(|e| e.into_inner());
+        for w in g.workloads.values_mut() {
+            for mut c in w.pods.drain(..).chain(w.stopping.drain(..)) {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
     }
 }

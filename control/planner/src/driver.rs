@@ -116,7 +116,8 @@ impl Driver {
         Driver { planner, connector, last: None, started: Instant::now(), metrics, registry }
     }
 
-    /// The first tick starts the pools at their minimum; every later one decides on what was
+    /// The first tick keeps what runs within the pools' bounds (nothing running: their
+    /// minimum); every later one decides on what was
     /// measured since the last tick that read the metrics. `text` is the frontend's
     /// `/metrics`.
     pub fn tick(&mut self, text: &str) -> Result<Option<Decision>, DriverError> {
@@ -131,8 +132,14 @@ impl Driver {
         let sample = Sample::parse(text).map_err(DriverError::Metrics)?;
         let now = Instant::now();
         let Some((last, then)) = self.last.replace((sample.clone(), now)) else {
+            // What runs already (a restarted planner, a Deployment's replicas) stays, within
+            // the bounds; nothing running starts at the minimum.
             let c = self.planner.config();
-            let start = Replicas { prefill: c.prefill.min, decode: c.decode.min };
+            let running = self.connector.actual()?;
+            let start = Replicas {
+                prefill: running.prefill.clamp(c.prefill.min, c.prefill.max),
+                decode: running.decode.clamp(c.decode.min, c.decode.max),
+            };
             self.connector.apply(start, 0)?;
             let actual = self.connector.actual()?;
             self.record_replicas(start, actual);

@@ -29,6 +29,8 @@ use crate::plan::Replicas;
 const POLL: Duration = Duration::from_secs(1);
 /// Writes refused for a stale `resourceVersion` retried at once, at most.
 const CONFLICT_RETRIES: u32 = 5;
+/// The longest one request to the API server may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the pools are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +126,9 @@ impl KubernetesConnector {
                 Err(fail(e))
             }
             Err(_) => {
-                c.stop();
+                // Not joined: its thread ends after its own request's timeout.
+                c.want = None;
+                c.thread = None;
                 Err(fail(format!("no answer from the API server within {timeout:?}")))
             }
         }
@@ -183,19 +187,34 @@ enum Workload {
     StatefulSet(Api<StatefulSet>, String),
 }
 
+/// A request that failed: the API server's answer, or none within [`REQUEST_TIMEOUT`].
+enum Failed {
+    Api(kube::Error),
+    TimedOut,
+}
+
+async fn bounded<T>(
+    f: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, Failed> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, f).await {
+        Ok(r) => r.map_err(Failed::Api),
+        Err(_) => Err(Failed::TimedOut),
+    }
+}
+
 impl Workload {
-    async fn get(&self) -> Result<Scale, kube::Error> {
+    async fn get(&self) -> Result<Scale, Failed> {
         match self {
-            Workload::Deployment(a, n) => a.get_scale(n).await,
-            Workload::StatefulSet(a, n) => a.get_scale(n).await,
+            Workload::Deployment(a, n) => bounded(a.get_scale(n)).await,
+            Workload::StatefulSet(a, n) => bounded(a.get_scale(n)).await,
         }
     }
 
-    async fn replace(&self, s: &Scale) -> Result<Scale, kube::Error> {
+    async fn replace(&self, s: &Scale) -> Result<Scale, Failed> {
         let pp = PostParams { field_manager: Some("kvx-planner".into()), ..Default::default() };
         match self {
-            Workload::Deployment(a, n) => a.replace_scale(n, &pp, s).await,
-            Workload::StatefulSet(a, n) => a.replace_scale(n, &pp, s).await,
+            Workload::Deployment(a, n) => bounded(a.replace_scale(n, &pp, s)).await,
+            Workload::StatefulSet(a, n) => bounded(a.replace_scale(n, &pp, s)).await,
         }
     }
 }
@@ -204,13 +223,14 @@ fn running(s: &Scale) -> u32 {
     s.status.as_ref().map_or(0, |st| u32::try_from(st.replicas).unwrap_or(0))
 }
 
-fn describe(e: &kube::Error, what: &str) -> String {
+fn describe(e: &Failed, what: &str) -> String {
     match e {
-        kube::Error::Api(s) if s.is_not_found() => format!("{what} not found"),
-        kube::Error::Api(s) if s.is_forbidden() => {
+        Failed::TimedOut => format!("{what}: no answer within {REQUEST_TIMEOUT:?}"),
+        Failed::Api(kube::Error::Api(s)) if s.is_not_found() => format!("{what} not found"),
+        Failed::Api(kube::Error::Api(s)) if s.is_forbidden() => {
             format!("{what}: forbidden (the credentials need get and update on its scale): {s}")
         }
-        _ => format!("{what}: {e}"),
+        Failed::Api(e) => format!("{what}: {e}"),
     }
 }
 
@@ -237,7 +257,9 @@ async fn reconcile(
                 tracing::info!(workload = what, from = spec, to = n, "scaled");
                 return Ok(running(&s));
             }
-            Err(kube::Error::Api(s)) if s.is_conflict() && tries < CONFLICT_RETRIES => {
+            Err(Failed::Api(kube::Error::Api(s)))
+                if s.is_conflict() && tries < CONFLICT_RETRIES =>
+            {
                 stats.conflicts += 1;
                 tries += 1;
             }

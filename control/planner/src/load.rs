@@ -5,7 +5,8 @@
 //! prefill queue plus a prompt, computed in chunks of the batched-token budget. A pool grows
 //! by one when every worker's estimate is over its target and shrinks by one when every
 //! worker's estimate at the load the pool would have with one worker fewer is under the
-//! target × the sensitivity.
+//! target × the sensitivity (a fit without a slope cannot say that, unless the pool is idle;
+//! an idle pool with too few steps to fit shrinks too).
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -153,6 +154,8 @@ pub struct LoadSizer {
 
 /// A worker's load in an interval.
 struct Worker {
+    /// Its steps.
+    steps: f64,
     /// Mean prompt tokens and decode context of its steps.
     x1: f64,
     x2: f64,
@@ -197,6 +200,7 @@ impl LoadSizer {
             let s = &w.sums;
             let per = |v: f64| if s.n > 0.0 { v / s.n } else { 0.0 };
             pools[i].push(Worker {
+                steps: s.n,
                 x1: per(s.x1),
                 x2: per(s.x2),
                 busy: (s.y / secs).clamp(0.0, 1.0),
@@ -251,10 +255,19 @@ fn size_pool(
         fewer_ms: None,
         step: 0,
     };
-    let Some(f) = fit else { return out };
     if workers.is_empty() {
         return out;
     }
+    let n = running.max(workers.len() as u32);
+    // A pool none of whose workers stepped in the interval is idle: one fewer does as well.
+    let idle = workers.iter().all(|w| w.steps == 0.0);
+    let Some(f) = fit else {
+        if idle && n >= 2 {
+            out.fewer_ms = Some(0.0);
+            out.step = -1;
+        }
+        return out;
+    };
     let now: Vec<f64> =
         workers.iter().map(|w| estimate(&f, w, 1.0).unwrap_or(f64::INFINITY)).collect();
     let lo = now.iter().copied().fold(f64::INFINITY, f64::min);
@@ -264,8 +277,9 @@ fn size_pool(
         out.step = 1;
         return out;
     }
-    let n = running.max(workers.len() as u32);
-    if n >= 2 {
+    // Shrinking leans on the fit's slope (more load per worker, slower steps); a fit that
+    // found none (noise) says nothing about one worker fewer, unless the pool is idle.
+    if n >= 2 && (f.b > 0.0 || f.c > 0.0 || idle) {
         let k = f64::from(n) / f64::from(n - 1);
         let fewer: Option<Vec<f64>> = workers.iter().map(|w| estimate(&f, w, k)).collect();
         out.fewer_ms = fewer.map(|v| v.into_iter().fold(0.0, f64::max));
@@ -395,6 +409,26 @@ mod tests {
         obs.steps.extend(decode_obs(2, 99, 1_000.0).steps.into_iter().filter(|(w, _)| w == "1"));
         let mut l = LoadSizer::new(LoadConfig::default());
         assert_eq!(l.observe(&obs, 10.0, 1000.0, (500.0, 50.0), (1, 2)).decode.step, 0);
+    }
+
+    #[test]
+    fn an_idle_pool_shrinks_and_a_flat_fit_does_not() {
+        // No steps at all: too few to fit, and idle.
+        let mut obs = decode_obs(3, 0, 1000.0);
+        let mut l = LoadSizer::new(LoadConfig { window: 2, ..LoadConfig::default() });
+        let v = l.observe(&obs, 10.0, 1000.0, (500.0, 50.0), (1, 3));
+        assert_eq!((v.decode.fit, v.decode.step), (None, -1));
+        // Busy workers whose steps all take 5 ms whatever their load: no slope, no shrink.
+        let mut s = StepSums::default();
+        for i in 0..30 {
+            s.add(0.0, 1000.0 * f64::from(i % 3 + 1), 5e-3, 0.0);
+        }
+        for w in obs.steps.values_mut() {
+            w.sums = s;
+        }
+        let v = l.observe(&obs, 10.0, 1000.0, (500.0, 50.0), (1, 3));
+        assert_eq!(v.decode.fit.map(|f| (f.b, f.c)), Some((0.0, 0.0)));
+        assert_eq!(v.decode.step, 0, "{:?}", v.decode);
     }
 
     #[test]

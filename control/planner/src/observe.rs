@@ -43,6 +43,21 @@ impl Histogram {
         }
     }
 
+    /// Adds `other`'s observations (buckets with the same bound add up).
+    pub fn merge(&mut self, other: &Histogram) {
+        self.sum += other.sum;
+        self.count += other.count;
+        self.buckets.extend_from_slice(&other.buckets);
+        self.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        self.buckets.dedup_by(|later, first| {
+            let same = later.0 == first.0;
+            if same {
+                first.1 += later.1;
+            }
+            same
+        });
+    }
+
     /// The mean, `None` when empty.
     pub fn mean(&self) -> Option<f64> {
         (self.count > 0.0).then(|| self.sum / self.count)
@@ -93,6 +108,46 @@ pub struct Sample {
     pub workers: HashMap<String, u32>,
     /// Each worker up: its role, step sums and prefill queue, by worker id.
     pub steps: HashMap<String, WorkerSteps>,
+    /// The counters by frontend (the `instance` label a Prometheus server adds; "" for a
+    /// frontend read directly), differenced one by one: a frontend that restarts counts
+    /// from zero without the others' counts.
+    per_frontend: HashMap<String, Counters>,
+}
+
+/// One frontend's counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Counters {
+    requests: f64,
+    refused: f64,
+    input_tokens: f64,
+    output_tokens: f64,
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+impl Counters {
+    /// From `earlier` to `self` (counters that went down, as after a restart, count from
+    /// zero).
+    fn since(&self, earlier: &Counters) -> Counters {
+        let d = |now: f64, then: f64| if now < then { now } else { now - then };
+        Counters {
+            requests: d(self.requests, earlier.requests),
+            refused: d(self.refused, earlier.refused),
+            input_tokens: d(self.input_tokens, earlier.input_tokens),
+            output_tokens: d(self.output_tokens, earlier.output_tokens),
+            ttft: self.ttft.since(&earlier.ttft),
+            itl: self.itl.since(&earlier.itl),
+        }
+    }
+
+    fn add(&mut self, o: &Counters) {
+        self.requests += o.requests;
+        self.refused += o.refused;
+        self.input_tokens += o.input_tokens;
+        self.output_tokens += o.output_tokens;
+        self.ttft.merge(&o.ttft);
+        self.itl.merge(&o.itl);
+    }
 }
 
 /// A worker's steps: cumulative in a [`Sample`], the interval's in an [`Observation`].
@@ -138,12 +193,13 @@ pub struct Observation {
 
 impl Sample {
     /// Reads the Prometheus text format. Unknown series are ignored; a malformed line of a
-    /// series it reads is an error. A series present for several frontends (a Prometheus
-    /// server's federation) is their sum.
+    /// series it reads is an error. Several frontends' series (a Prometheus server's
+    /// federation, told apart by `instance`) are kept apart and summed; a worker that several
+    /// frontends report counts once.
     pub fn parse(text: &str) -> Result<Sample, String> {
         let mut s = Sample::default();
         let mut up: HashMap<String, bool> = HashMap::new();
-        let mut roles: Vec<(String, String)> = Vec::new();
+        let mut roles: HashMap<String, String> = HashMap::new();
         for line in text.lines() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
@@ -172,12 +228,13 @@ impl Sample {
             }
             let v = parse_value(value).ok_or_else(|| format!("bad value in {line:?}"))?;
             let label = |key: &str| label(labels, key);
+            let c = s.per_frontend.entry(label("instance").unwrap_or_default()).or_default();
             match name {
-                "kvx_requests_finished_total" => s.requests += v,
+                "kvx_requests_finished_total" => c.requests += v,
                 "kvx_inflight_requests" => s.inflight += v,
-                "kvx_admission_refused_total" => s.refused += v,
-                "kvx_input_tokens_total" => s.input_tokens += v,
-                "kvx_output_tokens_total" => s.output_tokens += v,
+                "kvx_admission_refused_total" => c.refused += v,
+                "kvx_input_tokens_total" => c.input_tokens += v,
+                "kvx_output_tokens_total" => c.output_tokens += v,
                 "kvx_worker_up" => {
                     if let Some(w) = label("worker") {
                         up.insert(w, v > 0.0);
@@ -185,7 +242,7 @@ impl Sample {
                 }
                 "kvx_worker_role" => {
                     if let (Some(w), Some(r), true) = (label("worker"), label("role"), v > 0.0) {
-                        roles.push((w, r));
+                        roles.insert(w, r);
                     }
                 }
                 "kvx_worker_step_sums" => {
@@ -202,9 +259,9 @@ impl Sample {
                     let (h, part) = if let Some(p) =
                         name.strip_prefix("kvx_time_to_first_token_seconds")
                     {
-                        (&mut s.ttft, p)
+                        (&mut c.ttft, p)
                     } else if let Some(p) = name.strip_prefix("kvx_inter_token_latency_seconds") {
-                        (&mut s.itl, p)
+                        (&mut c.itl, p)
                     } else {
                         continue;
                     };
@@ -221,17 +278,17 @@ impl Sample {
                 }
             }
         }
-        for h in [&mut s.ttft, &mut s.itl] {
-            // Buckets of several frontends (read through Prometheus) add up.
-            h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-            h.buckets.dedup_by(|later, first| {
-                let same = later.0 == first.0;
-                if same {
-                    first.1 += later.1;
-                }
-                same
-            });
+        s.per_frontend.retain(|_, c| *c != Counters::default());
+        let mut total = Counters::default();
+        for c in s.per_frontend.values_mut() {
+            for h in [&mut c.ttft, &mut c.itl] {
+                h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+            }
+            total.add(c);
         }
+        (s.requests, s.refused, s.input_tokens, s.output_tokens) =
+            (total.requests, total.refused, total.input_tokens, total.output_tokens);
+        (s.ttft, s.itl) = (total.ttft, total.itl);
         s.steps.retain(|w, _| up.get(w).copied().unwrap_or(false));
         for (w, r) in roles {
             if up.get(&w).copied().unwrap_or(false) {
@@ -244,20 +301,21 @@ impl Sample {
 
     /// The interval from `earlier` to `self`.
     pub fn since(&self, earlier: &Sample) -> Observation {
-        let d = |now: f64, then: f64| if now < then { now } else { now - then };
-        let finished = d(self.requests, earlier.requests);
+        let mut c = Counters::default();
+        for (f, now) in &self.per_frontend {
+            c.add(&now.since(earlier.per_frontend.get(f).unwrap_or(&Counters::default())));
+        }
+        let finished = c.requests;
         let per = |t: f64| if finished > 0.0 { t / finished } else { 0.0 };
-        let refused = d(self.refused, earlier.refused);
-        let requests = (finished + refused + self.inflight - earlier.inflight).max(0.0);
-        let ttft = self.ttft.since(&earlier.ttft);
-        let itl = self.itl.since(&earlier.itl);
+        let requests = (finished + c.refused + self.inflight - earlier.inflight).max(0.0);
+        let (ttft, itl) = (c.ttft, c.itl);
         let ms = |v: Option<f64>| v.map(|s| s * 1e3);
         Observation {
             requests,
             finished,
             inflight: self.inflight,
-            isl: per(d(self.input_tokens, earlier.input_tokens)),
-            osl: per(d(self.output_tokens, earlier.output_tokens)),
+            isl: per(c.input_tokens),
+            osl: per(c.output_tokens),
             ttft_mean_ms: ms(ttft.mean()),
             ttft_p90_ms: ms(ttft.quantile(0.9)),
             itl_mean_ms: ms(itl.mean()),
@@ -384,6 +442,11 @@ mod tests {
         assert_eq!((s.requests, s.inflight), (40.0, 5.0));
         assert_eq!(s.ttft.buckets, vec![(0.1, 40.0), (f64::INFINITY, 40.0)]);
         assert_eq!((s.ttft.sum, s.ttft.count), (1.0, 40.0));
+        // Frontend a restarts (10 → 4), b goes on (30 → 35): 4 + 5 finished, not 39.
+        let later = Sample::parse(&(one("a:1", 4, 0) + &one("b:2", 35, 0))).unwrap();
+        let o = later.since(&s);
+        assert_eq!(o.finished, 9.0);
+        assert!((o.ttft_mean_ms.unwrap() - 1e3 * 0.5 / 9.0).abs() < 1e-9, "{o:?}");
     }
 
     #[test]

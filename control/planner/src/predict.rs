@@ -1,6 +1,7 @@
 //! Load predictors: the next interval's request count, prompt length or output length from
 //! the intervals seen so far — the last value (`constant`), a moving average, Holt's linear
-//! trend (double exponential smoothing) or a Kalman filter over a local linear trend.
+//! trend (double exponential smoothing; optionally damped, Gardner's φ) or a Kalman filter
+//! over a local linear trend.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -16,12 +17,16 @@ pub enum PredictorKind {
         /// Values averaged.
         window: usize,
     },
-    /// Holt's linear trend: a smoothed level and a smoothed slope, one step ahead.
+    /// Holt's linear trend: a smoothed level and a smoothed slope, one step ahead; with
+    /// `phi` < 1 the trend is damped (each step ahead adds φ times the last step's slope),
+    /// so a rise that stops is not extended as far.
     Holt {
         /// Level smoothing, in (0, 1].
         alpha: f64,
         /// Trend smoothing, in (0, 1].
         beta: f64,
+        /// Trend damping, in (0, 1] (1: undamped).
+        phi: f64,
     },
     /// A Kalman filter on a local linear trend (level and slope as a random walk).
     Kalman {
@@ -42,7 +47,8 @@ impl fmt::Display for PredictorKind {
         match self {
             Self::Constant => write!(f, "constant"),
             Self::MovingAverage { window } => write!(f, "moving-average:{window}"),
-            Self::Holt { alpha, beta } => write!(f, "holt:{alpha}:{beta}"),
+            Self::Holt { alpha, beta, phi } if *phi == 1.0 => write!(f, "holt:{alpha}:{beta}"),
+            Self::Holt { alpha, beta, phi } => write!(f, "holt:{alpha}:{beta}:{phi}"),
             Self::Kalman { q } => write!(f, "kalman:{q}"),
         }
     }
@@ -51,15 +57,15 @@ impl fmt::Display for PredictorKind {
 /// A predictor name that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown predictor {0:?}: constant, moving-average[:WINDOW], holt[:ALPHA:BETA] or kalman[:Q]"
+    "unknown predictor {0:?}: constant, moving-average[:WINDOW], holt[:ALPHA:BETA[:PHI]] or kalman[:Q]"
 )]
 pub struct BadPredictor(String);
 
 impl FromStr for PredictorKind {
     type Err = BadPredictor;
 
-    /// `constant`, `moving-average[:WINDOW]` (default 5), `holt[:ALPHA:BETA]` (default
-    /// 0.5:0.3), `kalman[:Q]` (default 0.1).
+    /// `constant`, `moving-average[:WINDOW]` (default 5), `holt[:ALPHA:BETA[:PHI]]` (default
+    /// 0.5:0.3:1), `kalman[:Q]` (default 0.1).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = || BadPredictor(s.to_string());
         let mut it = s.split(':');
@@ -80,11 +86,12 @@ impl FromStr for PredictorKind {
                 Self::MovingAverage { window: w as usize }
             }
             "holt" => {
-                let (alpha, beta) = (num(0.5)?, num(0.3)?);
-                if !(alpha > 0.0 && alpha <= 1.0 && beta > 0.0 && beta <= 1.0) {
+                let (alpha, beta, phi) = (num(0.5)?, num(0.3)?, num(1.0)?);
+                let unit = |v: f64| v > 0.0 && v <= 1.0;
+                if !(unit(alpha) && unit(beta) && unit(phi)) {
                     return Err(bad());
                 }
-                Self::Holt { alpha, beta }
+                Self::Holt { alpha, beta, phi }
             }
             "kalman" => {
                 let q = num(0.1)?;
@@ -150,13 +157,13 @@ impl Predictor {
                     s.recent.pop_front();
                 }
             }
-            PredictorKind::Holt { alpha, beta } => match s.seen {
+            PredictorKind::Holt { alpha, beta, phi } => match s.seen {
                 1 => (s.level, s.slope) = (x, 0.0),
                 2 => (s.level, s.slope) = (x, x - s.level),
                 _ => {
                     let prev = s.level;
-                    s.level = alpha * x + (1.0 - alpha) * (s.level + s.slope);
-                    s.slope = beta * (s.level - prev) + (1.0 - beta) * s.slope;
+                    s.level = alpha * x + (1.0 - alpha) * (s.level + phi * s.slope);
+                    s.slope = beta * (s.level - prev) + (1.0 - beta) * phi * s.slope;
                 }
             },
             PredictorKind::Kalman { q } => {
@@ -205,6 +212,11 @@ impl Predictor {
             PredictorKind::MovingAverage { .. } => {
                 s.recent.iter().sum::<f64>() / s.recent.len().max(1) as f64
             }
+            PredictorKind::Holt { phi, .. } if phi < 1.0 => {
+                // φ + φ² + … over `steps` steps (continued for a fraction of one).
+                let h = steps.max(0.0);
+                s.level + s.slope * phi * (1.0 - phi.powf(h)) / (1.0 - phi)
+            }
             PredictorKind::Holt { .. } | PredictorKind::Kalman { .. } => {
                 s.level + steps.max(0.0) * s.slope
             }
@@ -229,7 +241,11 @@ mod tests {
     fn names_parse_with_their_parameters_and_bad_ones_are_refused() {
         assert_eq!("constant".parse(), Ok(PredictorKind::Constant));
         assert_eq!("moving-average:3".parse(), Ok(PredictorKind::MovingAverage { window: 3 }));
-        assert_eq!("holt".parse(), Ok(PredictorKind::Holt { alpha: 0.5, beta: 0.3 }));
+        assert_eq!("holt".parse(), Ok(PredictorKind::Holt { alpha: 0.5, beta: 0.3, phi: 1.0 }));
+        let damped: PredictorKind = "holt:0.5:0.3:0.8".parse().unwrap();
+        assert_eq!(damped, PredictorKind::Holt { alpha: 0.5, beta: 0.3, phi: 0.8 });
+        assert_eq!(damped.to_string(), "holt:0.5:0.3:0.8");
+        assert!("holt:0.5:0.3:0".parse::<PredictorKind>().is_err());
         assert_eq!("kalman:0.5".parse(), Ok(PredictorKind::Kalman { q: 0.5 }));
         for bad in [
             "",
@@ -291,5 +307,31 @@ mod tests {
         let k = run("kalman:0.01", &xs);
         assert!((k - 100.0).abs() < 15.0, "{k}");
         assert!((run("constant", &xs) - 100.0).abs() >= 20.0);
+    }
+
+    /// A damped trend extends a slope less far: after a steady rise that stops, the damped
+    /// prediction ahead is between the level and the undamped one, and each further step
+    /// adds φ times the last.
+    #[test]
+    fn a_damped_trend_stops_short_of_the_straight_line() {
+        let rise = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let feed = |k: &str| {
+            let mut p = k.parse::<PredictorKind>().unwrap().build();
+            for &x in &rise {
+                p.observe(x);
+            }
+            p
+        };
+        let (straight, damped) = (feed("holt:0.5:0.3"), feed("holt:0.5:0.3:0.5"));
+        assert!(
+            (straight.predict_ahead(2.0) - 8.0).abs() < 1e-9,
+            "{}",
+            straight.predict_ahead(2.0)
+        );
+        let (d0, d1, d2) =
+            (damped.predict_ahead(0.0), damped.predict_ahead(1.0), damped.predict_ahead(2.0));
+        assert!(d0 < d1 && d1 < d2 && d2 < straight.predict_ahead(2.0), "{d0} {d1} {d2}");
+        // Each step adds φ = 0.5 times the last one's.
+        assert!(((d2 - d1) - 0.5 * (d1 - d0)).abs() < 1e-9, "{d0} {d1} {d2}");
     }
 }

@@ -144,12 +144,13 @@ impl StepSums {
         true
     }
 
-    /// The steps between `earlier` and `self` (a worker that restarted counts from zero).
+    /// The steps between `earlier` and `self` (a worker that restarted — any sum went down:
+    /// they only grow — counts from zero).
     pub fn since(&self, earlier: &StepSums) -> StepSums {
-        if self.n < earlier.n {
+        let (a, b) = (self.values(), earlier.values());
+        if a.iter().zip(&b).any(|(now, then)| now < then) {
             return *self;
         }
-        let (a, b) = (self.values(), earlier.values());
         let mut out = StepSums::default();
         for (i, name) in Self::NAMES.iter().enumerate() {
             out.set(name, a[i] - b[i]);
