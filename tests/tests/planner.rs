@@ -263,8 +263,13 @@ fn the_planner_grows_the_decode_pool_under_load_and_drains_it_after() {
 /// worker miss and one stream meets with room to spare.
 #[test]
 fn without_a_profile_the_decode_pool_follows_the_workers_step_times() {
-    scales_up_and_back(&Scenario {
-        name: "load",
+    scales_up_and_back(&load_based("load", false));
+}
+
+/// Load-based sizing over mock workers with a 512-block KV cache (see above).
+fn load_based(name: &str, kube: bool) -> Scenario<'_> {
+    Scenario {
+        name,
         engine: &["--engine", "mocker", "--mocker-blocks", "512"],
         sweep: ["512", "4", "512"],
         itl_over_one: 2.5,
@@ -272,8 +277,8 @@ fn without_a_profile_the_decode_pool_follows_the_workers_step_times() {
         light_secs: "16",
         lengths: ("256", "64"),
         load_based: true,
-        kube: false,
-    });
+        kube,
+    }
 }
 
 /// The Kubernetes connector: the pools are Deployments behind a loopback stand-in for the API
@@ -281,17 +286,7 @@ fn without_a_profile_the_decode_pool_follows_the_workers_step_times() {
 /// worker` per replica and SIGTERMs the ones removed). Sized from step times, as above.
 #[test]
 fn the_kubernetes_connector_scales_deployments_through_the_api_server() {
-    scales_up_and_back(&Scenario {
-        name: "kube",
-        engine: &["--engine", "mocker", "--mocker-blocks", "512"],
-        sweep: ["512", "4", "512"],
-        itl_over_one: 2.5,
-        heavy: ("16", "14"),
-        light_secs: "16",
-        lengths: ("256", "64"),
-        load_based: true,
-        kube: true,
-    });
+    scales_up_and_back(&load_based("kube", true));
 }
 
 /// A Deployment that is not there, or that the credentials may not scale, stops the planner
