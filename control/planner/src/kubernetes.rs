@@ -67,22 +67,12 @@ pub struct KubernetesTarget {
     pub kubeconfig: Option<std::path::PathBuf>,
 }
 
-/// Counters of what the connector did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KubernetesStats {
-    /// Scale writes accepted.
-    pub writes: u64,
-    /// Writes refused for a stale `resourceVersion` (and made again).
-    pub conflicts: u64,
-}
-
 #[derive(Debug, Default)]
 struct State {
     /// `status.replicas` of each pool at the last read.
     running: Option<Replicas>,
     /// The last read's or write's failure, cleared by a success.
     error: Option<String>,
-    stats: KubernetesStats,
 }
 
 /// Scales two workloads through the API server.
@@ -132,11 +122,6 @@ impl KubernetesConnector {
                 Err(fail(format!("no answer from the API server within {timeout:?}")))
             }
         }
-    }
-
-    /// What it did so far.
-    pub fn stats(&self) -> KubernetesStats {
-        self.state.lock().map(|s| s.stats).unwrap_or_default()
     }
 
     fn stop(&mut self) {
@@ -236,12 +221,7 @@ fn describe(e: &Failed, what: &str) -> String {
 
 /// Reads one pool's scale and, when `want` differs from its spec, writes it (again on a
 /// fresh read after a conflict); `status.replicas` afterwards.
-async fn reconcile(
-    w: &Workload,
-    what: &str,
-    want: Option<u32>,
-    stats: &mut KubernetesStats,
-) -> Result<u32, String> {
+async fn reconcile(w: &Workload, what: &str, want: Option<u32>) -> Result<u32, String> {
     let mut tries = 0;
     loop {
         let mut scale = w.get().await.map_err(|e| describe(&e, what))?;
@@ -253,14 +233,13 @@ async fn reconcile(
         scale.spec.get_or_insert_with(Default::default).replicas = Some(n);
         match w.replace(&scale).await {
             Ok(s) => {
-                stats.writes += 1;
                 tracing::info!(workload = what, from = spec, to = n, "scaled");
                 return Ok(running(&s));
             }
             Err(Failed::Api(kube::Error::Api(s)))
                 if s.is_conflict() && tries < CONFLICT_RETRIES =>
             {
-                stats.conflicts += 1;
+                tracing::debug!(workload = what, "a newer version was written first; again");
                 tries += 1;
             }
             Err(e) => return Err(describe(&e, what)),
@@ -310,12 +289,11 @@ async fn run(
     let mut ready = Some(ready);
     loop {
         let wanted = *want.borrow_and_update();
-        let mut stats = state.lock().map(|s| s.stats).unwrap_or_default();
         let mut got = [0u32; 2];
         let mut error = None;
         for (i, w) in pools.iter().enumerate() {
             let n = wanted.map(|r| if i == 0 { r.prefill } else { r.decode });
-            match reconcile(w, &names[i], n, &mut stats).await {
+            match reconcile(w, &names[i], n).await {
                 Ok(v) => got[i] = v,
                 Err(e) => {
                     error = Some(e);
@@ -324,7 +302,6 @@ async fn run(
             }
         }
         if let Ok(mut s) = state.lock() {
-            s.stats = stats;
             if error.is_none() {
                 s.running = Some(Replicas { prefill: got[0], decode: got[1] });
             }

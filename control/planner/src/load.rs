@@ -171,11 +171,6 @@ impl LoadSizer {
         LoadSizer { cfg, windows: [VecDeque::new(), VecDeque::new()] }
     }
 
-    /// Its settings.
-    pub fn config(&self) -> LoadConfig {
-        self.cfg
-    }
-
     /// Takes the interval's steps into the fits and sizes both pools: `elapsed_s` is the
     /// interval, `isl` the prompt length a new request is expected to bring, `ttft_ms` and
     /// `itl_ms` the targets, `running` the workers of each pool now.

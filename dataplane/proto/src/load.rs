@@ -151,21 +151,19 @@ impl StepSums {
         if a.iter().zip(&b).any(|(now, then)| now < then) {
             return *self;
         }
-        let mut out = StepSums::default();
-        for (i, name) in Self::NAMES.iter().enumerate() {
-            out.set(name, a[i] - b[i]);
-        }
-        out
+        Self::from_values(std::array::from_fn(|i| a[i] - b[i]))
     }
 
     /// The steps of both.
     pub fn plus(&self, other: &StepSums) -> StepSums {
         let (a, b) = (self.values(), other.values());
-        let mut out = StepSums::default();
-        for (i, name) in Self::NAMES.iter().enumerate() {
-            out.set(name, a[i] + b[i]);
-        }
-        out
+        Self::from_values(std::array::from_fn(|i| a[i] + b[i]))
+    }
+
+    /// The sums from an array in [`StepSums::NAMES`] order.
+    pub fn from_values(v: [f64; 11]) -> StepSums {
+        let [n, x1, x2, y, x1x1, x1x2, x2x2, x1y, x2y, yy, qy] = v;
+        StepSums { n, x1, x2, y, x1x1, x1x2, x2x2, x1y, x2y, yy, qy }
     }
 }
 
