@@ -570,7 +570,7 @@ mod tests {
                 });
             }
         }
-        Profile { version: PROFILE_VERSION, shape, reps: 1, prefill, decode }
+        Profile { version: PROFILE_VERSION, shape, reps: 1, temperature: 0.0, prefill, decode }
     }
 
     fn cfg() -> PlannerConfig {

@@ -196,7 +196,8 @@ mod tests {
                 decode.push(DecodePoint { batch, context, itl_ms: 5.0, tok_s: 200.0 });
             }
         }
-        let p = Profile { version: PROFILE_VERSION, shape, reps: 3, prefill, decode };
+        let p =
+            Profile { version: PROFILE_VERSION, shape, reps: 3, temperature: 0.0, prefill, decode };
         let html = profile_html(&p);
         assert_eq!(html.matches("<svg").count(), 4);
         // 3 prefill points twice, 4 decode points twice.

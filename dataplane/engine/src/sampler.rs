@@ -208,23 +208,72 @@ impl Sampler {
         let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
         if k == logits.len() && params.top_p >= 1.0 {
             // No ranking needed: min-p is a threshold on each probability, and the draw walks
-            // the vocabulary in id order.
-            self.probs.clear();
-            let mut total = 0.0f64;
-            for &l in logits {
-                let mut p = ((l - best_logit) * inv_t).exp();
-                if p < params.min_p {
-                    p = 0.0;
-                }
-                total += f64::from(p);
-                self.probs.push(p);
+            // the vocabulary in id order. The probabilities come from the kernels' softmax
+            // (vectorized `exp`), the walk skips whole chunks by their sums: a draw over a
+            // 50k vocabulary costs tens of microseconds, not hundreds.
+            if !best_logit.is_finite() {
+                return Sampled { token: best, logprob: logprob_of(best) };
             }
+            self.probs.clear();
+            self.probs.extend_from_slice(logits);
+            (kvx_kernels::cpu::kernels().softmax)(&mut self.probs, inv_t);
+            if params.min_p > 0.0 {
+                let floor = params.min_p * self.probs[best as usize];
+                for p in self.probs.iter_mut() {
+                    *p = if *p < floor { 0.0 } else { *p };
+                }
+            }
+            let total: f64 = self.probs.chunks(WALK).map(chunk_sum).sum();
+            let r = state.rng.random::<f64>() * total;
+            let chosen = walk(&self.probs, r).unwrap_or(best);
+            return Sampled { token: chosen, logprob: logprob_of(chosen) };
+        }
+        if k == logits.len() && best_logit.is_finite() {
+            // Top-p over the whole vocabulary. The nucleus is a prefix of the tokens ranked by
+            // probability, so any set {p ≥ τ} holding at least `top_p` of the mass holds it
+            // whole: only that set is ranked. τ = 1e-3 keeps at most a thousand tokens; when
+            // those hold less than `top_p`, τ = (1 − top_p) / V always qualifies (what lies
+            // below it weighs at most V·τ).
+            self.probs.clear();
+            self.probs.extend_from_slice(logits);
+            (kvx_kernels::cpu::kernels().softmax)(&mut self.probs, inv_t);
+            let mass = |tau: f32| -> f64 {
+                self.probs.iter().map(|&p| if p >= tau { f64::from(p) } else { 0.0 }).sum()
+            };
+            let coarse = 1e-3f32;
+            let tau = if mass(coarse) >= f64::from(params.top_p) {
+                coarse
+            } else {
+                (1.0 - params.top_p) / logits.len() as f32
+            };
+            let probs = &self.probs;
+            self.idx.clear();
+            self.idx.extend((0..logits.len() as u32).filter(|&i| probs[i as usize] >= tau));
+            if self.idx.is_empty() {
+                return Sampled { token: best, logprob: logprob_of(best) };
+            }
+            self.idx.sort_unstable_by(|&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+            });
+            let floor = params.min_p * probs[best as usize];
+            let mut keep = self.idx.iter().take_while(|&&i| probs[i as usize] >= floor).count();
+            let mut acc = 0.0f64;
+            for (n, &i) in self.idx[..keep].iter().enumerate() {
+                acc += f64::from(probs[i as usize]);
+                if acc >= f64::from(params.top_p) {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            let keep = keep.max(1).min(self.idx.len());
+            let kept = &self.idx[..keep];
+            let total: f64 = kept.iter().map(|&i| f64::from(probs[i as usize])).sum();
             let mut r = state.rng.random::<f64>() * total;
-            let mut chosen = best;
-            for (i, &p) in self.probs.iter().enumerate() {
-                r -= f64::from(p);
-                if p > 0.0 && r <= 0.0 {
-                    chosen = i as u32;
+            let mut chosen = kept[keep - 1];
+            for &i in kept {
+                r -= f64::from(probs[i as usize]);
+                if r <= 0.0 {
+                    chosen = i;
                     break;
                 }
             }
@@ -323,6 +372,43 @@ impl Sampler {
         });
         out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
     }
+}
+
+/// Probabilities a draw skips at a time by their sum.
+const WALK: usize = 64;
+
+/// The sum of a chunk of probabilities: 16 lanes of f32 (the compiler vectorizes them), added
+/// up in f64.
+fn chunk_sum(c: &[f32]) -> f64 {
+    let mut lanes = [0.0f32; 16];
+    let parts = c.chunks_exact(16);
+    let tail: f64 = parts.remainder().iter().map(|&p| f64::from(p)).sum();
+    for part in parts {
+        for (a, &p) in lanes.iter_mut().zip(part) {
+            *a += p;
+        }
+    }
+    lanes.iter().map(|&a| f64::from(a)).sum::<f64>() + tail
+}
+
+/// The token where the running sum of `probs` (in id order) first reaches `r`: whole chunks
+/// of [`WALK`] are passed by their [`chunk_sum`], the one holding `r` is walked one by one. A
+/// token of probability 0 is never chosen; `None` when rounding leaves `r` past the end.
+fn walk(probs: &[f32], mut r: f64) -> Option<u32> {
+    for (c, chunk) in probs.chunks(WALK).enumerate() {
+        let s = chunk_sum(chunk);
+        if r > s {
+            r -= s;
+            continue;
+        }
+        for (i, &p) in chunk.iter().enumerate() {
+            r -= f64::from(p);
+            if p > 0.0 && r <= 0.0 {
+                return Some((c * WALK + i) as u32);
+            }
+        }
+    }
+    None
 }
 
 /// The first maximum and its value.
@@ -424,6 +510,112 @@ mod tests {
             let freq = a.iter().filter(|&&x| x == t).count() as f64 / a.len() as f64;
             let want = f64::from(logits[t as usize]).exp() / z;
             assert!((freq - want).abs() < 0.04, "token {t}: {freq} vs {want}");
+        }
+    }
+
+    /// The plain walk [`walk`] must agree with: the first token (of non-zero probability)
+    /// where the running sum reaches `r`.
+    fn walk_scan(probs: &[f32], mut r: f64) -> Option<u32> {
+        for (i, &p) in probs.iter().enumerate() {
+            r -= f64::from(p);
+            if p > 0.0 && r <= 0.0 {
+                return Some(i as u32);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn the_chunked_walk_matches_a_plain_walk() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for n in [1usize, 15, 64, 65, 1000, 49_152] {
+            let probs: Vec<f32> =
+                (0..n).map(|i| if i % 7 == 3 { 0.0 } else { rng.random::<f32>() * 1e-3 }).collect();
+            let total: f64 = probs.chunks(WALK).map(chunk_sum).sum();
+            let exact: f64 = probs.iter().map(|&p| f64::from(p)).sum();
+            assert!((total - exact).abs() <= 1e-6 * exact, "n={n}: {total} vs {exact}");
+            for k in 0..200 {
+                let r = total * f64::from(k) / 200.0;
+                let (got, want) = (walk(&probs, r), walk_scan(&probs, r));
+                // Only a draw within rounding of a boundary may land on a neighbour.
+                match (got, want) {
+                    (Some(g), Some(w)) => assert!(
+                        g == w || (g as i64 - w as i64).abs() <= 7,
+                        "n={n} r={r}: {g} vs {w}"
+                    ),
+                    (g, w) => assert_eq!(g, w, "n={n} r={r}"),
+                }
+                if let Some(g) = got {
+                    assert!(probs[g as usize] > 0.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_large_vocabulary_draw_follows_temperature_and_min_p() {
+        // 50k tokens: four likely ones, the rest far below; at temperature 0.5 and min-p
+        // 0.01 only the four can be drawn, in proportion to exp(l / 0.5).
+        let mut logits = vec![-20.0f32; 50_000];
+        for (t, l) in [(11usize, 3.0f32), (20_000, 2.5), (35_001, 2.0), (49_999, 1.0)] {
+            logits[t] = l;
+        }
+        let p =
+            SamplingParams { temperature: 0.5, min_p: 0.01, seed: Some(3), ..Default::default() };
+        let mut s = Sampler::new(logits.len());
+        let mut st = SamplerState::new(&p, 0);
+        let draws: Vec<u32> =
+            (0..4000).map(|_| s.sample(&p, &mut st, &logits, false).token).collect();
+        let w = |l: f32| (f64::from(l) / 0.5).exp();
+        let z = w(3.0) + w(2.5) + w(2.0) + w(1.0);
+        for (t, l) in [(11u32, 3.0f32), (20_000, 2.5), (35_001, 2.0)] {
+            let freq = draws.iter().filter(|&&x| x == t).count() as f64 / draws.len() as f64;
+            assert!((freq - w(l) / z).abs() < 0.03, "token {t}: {freq} vs {}", w(l) / z);
+        }
+        // exp((1 - 3) / 0.5) = 0.018 of the top: kept by min-p 0.01, rare but possible.
+        assert!(draws.iter().all(|&t| [11, 20_000, 35_001, 49_999].contains(&t)));
+        // Nothing allowed (every logit -inf): the first id, as greedy gives.
+        let none = vec![f32::NEG_INFINITY; 100];
+        assert_eq!(s.sample(&p, &mut st, &none, false).token, 0);
+    }
+
+    #[test]
+    fn top_p_over_a_large_vocabulary_draws_from_the_nucleus_in_proportion() {
+        // 30k tokens with a long tail: the nucleus of 0.8 at temperature 0.7, computed here
+        // by sorting everything, against the sampler's ranking of a thresholded set.
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let mut logits: Vec<f32> = (0..30_000).map(|_| rng.random::<f32>() * 4.0 - 6.0).collect();
+        for (t, l) in [(5usize, 4.0f32), (17, 3.5), (29_000, 3.0), (12_345, 2.0), (400, 1.0)] {
+            logits[t] = l;
+        }
+        let temp = 0.7f64;
+        let w: Vec<f64> = logits.iter().map(|&l| (f64::from(l) / temp).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let (mut acc, mut nucleus) = (0.0, Vec::new());
+        for &i in &order {
+            acc += w[i] / z;
+            nucleus.push(i);
+            if acc >= 0.8 {
+                break;
+            }
+        }
+        let zn: f64 = nucleus.iter().map(|&i| w[i]).sum();
+        let p =
+            SamplingParams { temperature: 0.7, top_p: 0.8, seed: Some(5), ..Default::default() };
+        let mut s = Sampler::new(logits.len());
+        let mut st = SamplerState::new(&p, 0);
+        let draws: Vec<u32> =
+            (0..4000).map(|_| s.sample(&p, &mut st, &logits, false).token).collect();
+        assert!(
+            draws.iter().all(|&t| nucleus.contains(&(t as usize))),
+            "a draw outside the nucleus"
+        );
+        for &t in nucleus.iter().filter(|&&t| w[t] / zn > 0.05) {
+            let freq =
+                draws.iter().filter(|&&x| x as usize == t).count() as f64 / draws.len() as f64;
+            assert!((freq - w[t] / zn).abs() < 0.03, "token {t}: {freq} vs {}", w[t] / zn);
         }
     }
 

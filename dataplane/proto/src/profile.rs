@@ -70,6 +70,10 @@ pub struct Profile {
     pub shape: WorkerShape,
     /// Repetitions per point (each point is their median).
     pub reps: u32,
+    /// The sampling temperature of the decode points' requests (0: greedy; `kvx profile`
+    /// measures at 1, the API's default, so a step carries the draw a served request costs).
+    #[serde(default)]
+    pub temperature: f32,
     /// Prompt lengths, ascending.
     pub prefill: Vec<PrefillPoint>,
     /// Batch sizes at context lengths, sorted by context then batch: at each context the
@@ -283,7 +287,7 @@ mod tests {
                 });
             }
         }
-        Profile { version: PROFILE_VERSION, shape, reps: 3, prefill, decode }
+        Profile { version: PROFILE_VERSION, shape, reps: 3, temperature: 0.0, prefill, decode }
     }
 
     #[test]

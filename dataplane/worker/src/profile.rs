@@ -8,7 +8,9 @@
 //! cache), and step faster than a batch of distinct requests. Each context's prompts are
 //! prefilled once, untimed, before its first batch; the batches and their repetitions find
 //! them in the prefix cache but for a last token of their own, start decoding together, and
-//! the sweep spends its time decoding.
+//! the sweep spends its time decoding. They sample at the sweep's temperature (the API's
+//! default, 1, unless told otherwise): a served step draws each sequence's token from the
+//! whole vocabulary, which greedy decoding would leave out of the profile.
 
 use std::time::Instant;
 
@@ -19,7 +21,7 @@ use crate::setup::{EngineKind, Prepared};
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 
 /// What to sweep.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sweep {
     /// Prompt lengths of the prefill curve, ascending.
     pub prefill_isl: Vec<u32>,
@@ -32,6 +34,9 @@ pub struct Sweep {
     pub reps: u32,
     /// Decode steps timed per run.
     pub steps: u32,
+    /// Sampling temperature of the decode batches' requests (0: greedy): a served step
+    /// draws every sequence's token, which a greedy profile would leave out.
+    pub temperature: f32,
 }
 
 impl Sweep {
@@ -54,6 +59,7 @@ impl Sweep {
             contexts: geo(max_context, 6, 64),
             reps: reps.max(1),
             steps: 8,
+            temperature: 1.0,
         }
     }
 
@@ -129,11 +135,11 @@ fn token(i: u64, vocab: u32) -> u32 {
     2 + ((i.wrapping_mul(2_654_435_761)) % span) as u32
 }
 
-fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+fn request(id: u64, prompt: Vec<u32>, max_tokens: u32, temperature: f32) -> GenerateRequest {
     GenerateRequest::new(
         RequestId(id),
         prompt,
-        SamplingOptions { temperature: 0.0, ..Default::default() },
+        SamplingOptions { temperature, seed: Some(id), ..Default::default() },
         StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
     )
 }
@@ -169,7 +175,7 @@ pub fn measure(
             let mut engine = make().map_err(ProfileRunError::Setup)?;
             let salt = u64::from(isl) * 1_000 + u64::from(rep);
             let prompt = (0..u64::from(isl)).map(|i| token(salt * 7_919 + i, vocab)).collect();
-            engine.add(&request(id(), prompt, 1))?;
+            engine.add(&request(id(), prompt, 1, 0.0))?;
             let t = Instant::now();
             loop {
                 if !engine.has_work() {
@@ -206,7 +212,7 @@ pub fn measure(
         for (k, prompt) in prompts.iter().enumerate() {
             let mut p = prompt.clone();
             p.push(token(k as u64 + 7, vocab));
-            engine.add(&request(id(), p, 1))?;
+            engine.add(&request(id(), p, 1, 0.0))?;
         }
         while engine.has_work() {
             engine.step()?;
@@ -218,7 +224,7 @@ pub fn measure(
                 for (k, &rid) in ids.iter().enumerate() {
                     let mut prompt = prompts[k % prompts.len()].clone();
                     prompt.push(token(u64::from(rep) * 100_003 + k as u64 + 1, vocab));
-                    engine.add(&request(rid, prompt, sweep.steps + 2))?;
+                    engine.add(&request(rid, prompt, sweep.steps + 2, sweep.temperature))?;
                 }
                 // Until every sequence has its first token, then time the steps.
                 let mut started = 0usize;
@@ -268,5 +274,12 @@ pub fn measure(
             });
         }
     }
-    Ok(Profile { version: PROFILE_VERSION, shape, reps: sweep.reps, prefill, decode })
+    Ok(Profile {
+        version: PROFILE_VERSION,
+        shape,
+        reps: sweep.reps,
+        temperature: sweep.temperature,
+        prefill,
+        decode,
+    })
 }

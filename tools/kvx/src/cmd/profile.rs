@@ -39,6 +39,9 @@ pub(crate) struct ProfileArgs {
     /// Runs per point (the median is kept).
     #[arg(long, default_value_t = 3)]
     reps: u32,
+    /// Sampling temperature of the decode batches (1: the API's default; 0: greedy).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
     /// Kernel threads of the engine measured.
     #[arg(long, default_value_t = 1)]
     threads_per_shard: usize,
@@ -58,7 +61,11 @@ pub(crate) fn run(args: ProfileArgs, rt: &Runtime) -> Result<()> {
     let mut setup = args.opts.setup(rt, kind, !mocker)?;
     setup.engines = 1;
     setup.threads_per_engine = args.threads_per_shard.max(1);
-    let sweep = Sweep::standard(args.max_isl, args.max_batch, args.max_context, args.reps);
+    let mut sweep = Sweep::standard(args.max_isl, args.max_batch, args.max_context, args.reps);
+    if !(0.0..=2.0).contains(&args.temperature) {
+        bail!("--temperature {}: between 0 and 2", args.temperature);
+    }
+    sweep.temperature = args.temperature;
     setup.limits.max_num_seqs = setup.limits.max_num_seqs.max(args.max_batch as usize);
     let longest = args.max_isl.max(args.max_context) as usize + 64;
     let vocab = 64;
