@@ -4,8 +4,9 @@
 #   mocker  `kvx profile --engine mocker` of a mock worker (Dynamo's timing model at speedup 1,
 #           1,024 KV blocks of 16 tokens, 8,192 batched tokens); `kvx configure --profile` for
 #           ISL 2,000 / OSL 200, TTFT p90 <= 500 ms, ITL p90 <= 50 ms on 16 (virtual) cores;
-#           then three layouts, each at the concurrency configure gives it (its most throughput
-#           within the targets): the best one, run from the settings file configure wrote, and
+#           then three layouts, each at the concurrency configure gives it (its knee: the
+#           fewest users within 5% of its most throughput within the targets): the best one,
+#           run from the settings file configure wrote, and
 #           --mock-layouts more (default: agg 4, disagg 2+6).
 #   model   `kvx profile --engine model` of the default model with 1 and with 2 threads per
 #           shard; `kvx configure` over both for ISL --isl / OSL --osl on this host's cores; the

@@ -461,6 +461,44 @@ async fn a_decode_worker_is_told_when_the_kv_is_in() {
     assert_eq!(metric(&p, "kv_transfer_bytes_total"), 7000.0);
 }
 
+/// A decode worker that refuses a disaggregated request before reserving its blocks — it
+/// began to drain as the request was sent — has it placed on another decode worker, which
+/// prefills it itself; the client sees only the tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_that_refuses_at_once_has_the_request_placed_again() {
+    let disagg = DisaggConfig { min_tokens: 0, ..DisaggConfig::default() };
+    let (p, addr) = plane_with(Duration::from_secs(2), disagg).await;
+    let mut a = Scripted::join_as(&addr, 10, WorkerRole::Decode).await;
+    let mut b = Scripted::join_as(&addr, 11, WorkerRole::Decode).await;
+    let _pw = Scripted::join_as(&addr, 20, WorkerRole::Prefill).await;
+    wait_for("three workers", || p.workers().len() == 3).await;
+    let mut rx = p.submit(request(7, 4, 100, 2)).expect("submit");
+    // Whichever decode worker the router chose refuses; the other gets it.
+    let (first, a_got_it) = tokio::select! {
+        s = a.expect::<Submit>(kind::SUBMIT) => (s, true),
+        s = b.expect::<Submit>(kind::SUBMIT) => (s, false),
+    };
+    let (mut refuser, mut other) = if a_got_it { (a, b) } else { (b, a) };
+    assert_eq!(first.request.kv, kvx_proto::KvRole::AwaitKv);
+    let draining =
+        Output::Error { class: ErrorClass::Unavailable, message: "the worker is draining".into() };
+    refuser.output(RequestId(7), draining).await;
+    let again: Submit = other.expect(kind::SUBMIT).await;
+    assert_ne!(again.worker_id, first.worker_id);
+    assert_eq!(again.request.id, RequestId(7));
+    assert_eq!(again.request.kv, kvx_proto::KvRole::Local, "prefilled where it decodes");
+    other.output(RequestId(7), delta(3)).await;
+    other.output(RequestId(7), delta(4)).await;
+    let fin = Output::Finished {
+        reason: FinishReason::Length,
+        usage: kvx_proto::Usage { prompt_tokens: 100, completion_tokens: 2, ..Default::default() },
+    };
+    other.output(RequestId(7), fin).await;
+    let (tokens, end) = collect(&mut rx, LONG).await;
+    assert_eq!((tokens, end), (vec![3, 4], End::Finished(FinishReason::Length)));
+    assert_eq!(metric(&p, "plane_requests_placed_again_total"), 1.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_started_request_migrates_with_the_tokens_its_client_has() {
     let (p, addr) = plane(Duration::from_secs(2)).await;

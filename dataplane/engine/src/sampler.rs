@@ -211,7 +211,9 @@ impl Sampler {
             // the vocabulary in id order. The probabilities come from the kernels' softmax
             // (vectorized `exp`), the walk skips whole chunks by their sums: a draw over a
             // 50k vocabulary costs tens of microseconds, not hundreds.
-            if !best_logit.is_finite() {
+            if !max.is_finite() {
+                // Nothing allowed (every logit -inf), or a temperature so small that the
+                // scaled logits overflow: the draw's limit is the greedy pick.
                 return Sampled { token: best, logprob: logprob_of(best) };
             }
             self.probs.clear();
@@ -228,7 +230,7 @@ impl Sampler {
             let chosen = walk(&self.probs, r).unwrap_or(best);
             return Sampled { token: chosen, logprob: logprob_of(chosen) };
         }
-        if k == logits.len() && best_logit.is_finite() {
+        if k == logits.len() && max.is_finite() {
             // Top-p over the whole vocabulary. The nucleus is a prefix of the tokens ranked by
             // probability, so any set {p ≥ τ} holding at least `top_p` of the mass holds it
             // whole: only that set is ranked. τ = 1e-3 keeps at most a thousand tokens; when
@@ -554,9 +556,10 @@ mod tests {
 
     #[test]
     fn a_large_vocabulary_draw_follows_temperature_and_min_p() {
-        // 50k tokens: four likely ones, the rest far below; at temperature 0.5 and min-p
-        // 0.01 only the four can be drawn, in proportion to exp(l / 0.5).
-        let mut logits = vec![-20.0f32; 50_000];
+        // 50k tokens: four likely ones and a tail at -1 whose mass (e^-8 of the top each,
+        // ~17 tops in all) would take most draws without min-p; at temperature 0.5 and
+        // min-p 0.01 only the four can be drawn, in proportion to exp(l / 0.5).
+        let mut logits = vec![-1.0f32; 50_000];
         for (t, l) in [(11usize, 3.0f32), (20_000, 2.5), (35_001, 2.0), (49_999, 1.0)] {
             logits[t] = l;
         }
@@ -574,6 +577,18 @@ mod tests {
         }
         // exp((1 - 3) / 0.5) = 0.018 of the top: kept by min-p 0.01, rare but possible.
         assert!(draws.iter().all(|&t| [11, 20_000, 35_001, 49_999].contains(&t)));
+        // Without min-p the tail takes its share (~17 / 19.4 of the mass).
+        let free = SamplingParams { min_p: 0.0, ..p.clone() };
+        let tail = (0..2000)
+            .filter(|_| {
+                let t = s.sample(&free, &mut st, &logits, false).token;
+                ![11, 20_000, 35_001, 49_999].contains(&t)
+            })
+            .count();
+        assert!(tail > 1500, "{tail} of 2000 from the tail");
+        // A temperature whose inverse overflows f32 (1 / 1e-39): the greedy pick.
+        let cold = SamplingParams { temperature: 1e-39, ..p.clone() };
+        assert_eq!(s.sample(&cold, &mut st, &logits, false).token, 11);
         // Nothing allowed (every logit -inf): the first id, as greedy gives.
         let none = vec![f32::NEG_INFINITY; 100];
         assert_eq!(s.sample(&p, &mut st, &none, false).token, 0);
@@ -612,6 +627,17 @@ mod tests {
             draws.iter().all(|&t| nucleus.contains(&(t as usize))),
             "a draw outside the nucleus"
         );
+        // A peaked one, whose nucleus the first threshold (p ≥ 1e-3) holds: 0.6 and 0.3 on
+        // two tokens, 0.1 spread over the rest; top-p 0.8 keeps the two.
+        let mut peaked = vec![0.0f32; 30_000];
+        peaked[7] = (0.6f64 / (0.1 / 29_998.0)).ln() as f32;
+        peaked[8] = (0.3f64 / (0.1 / 29_998.0)).ln() as f32;
+        let q =
+            SamplingParams { temperature: 1.0, top_p: 0.8, seed: Some(2), ..Default::default() };
+        let d: Vec<u32> = (0..3000).map(|_| s.sample(&q, &mut st, &peaked, false).token).collect();
+        assert!(d.iter().all(|&t| t == 7 || t == 8), "outside the nucleus");
+        let f7 = d.iter().filter(|&&t| t == 7).count() as f64 / d.len() as f64;
+        assert!((f7 - 2.0 / 3.0).abs() < 0.04, "{f7}");
         for &t in nucleus.iter().filter(|&&t| w[t] / zn > 0.05) {
             let freq =
                 draws.iter().filter(|&&x| x as usize == t).count() as f64 / draws.len() as f64;

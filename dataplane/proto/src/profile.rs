@@ -150,6 +150,9 @@ impl Profile {
         if self.prefill.windows(2).any(|w| w[0].isl >= w[1].isl) {
             return bad("prefill points are not in ascending prompt length");
         }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad("the decode points' temperature is not a temperature");
+        }
         let finite = |v: f64| v.is_finite() && v > 0.0;
         if self.prefill.iter().any(|p| !finite(p.ttft_ms) || !finite(p.tok_s))
             || self.decode.iter().any(|p| !finite(p.itl_ms) || !finite(p.tok_s))

@@ -10,7 +10,8 @@
 //! them in the prefix cache but for a last token of their own, start decoding together, and
 //! the sweep spends its time decoding. They sample at the sweep's temperature (the API's
 //! default, 1, unless told otherwise): a served step draws each sequence's token from the
-//! whole vocabulary, which greedy decoding would leave out of the profile.
+//! whole vocabulary, which greedy decoding would leave out of the profile. (The prefill
+//! points stay greedy: one draw per prompt is lost in its TTFT.)
 
 use std::time::Instant;
 

@@ -127,7 +127,10 @@ struct Retry {
 struct Inflight {
     worker: WorkerId,
     client: UnboundedSender<Output>,
-    /// How to place it again (`None`: legs of a disaggregated request, whose relay does).
+    /// How to place it again (`None`: a prefill leg, and a disaggregated request's decode
+    /// leg once its worker reserved the blocks — its relay then handles what fails; before
+    /// that, a decode worker that refuses it, e.g. one that began to drain as it was sent,
+    /// or that disappears, has it placed again to be prefilled where it decodes).
     retry: Option<Retry>,
     attempts: u32,
     /// Tokens its client has received (what a migration resumes after).
@@ -511,6 +514,11 @@ impl State {
                 }
             }
             Output::Kv(note) if !matches!(note, KvNote::Sent(_)) => {
+                if matches!(note, KvNote::Reserved { .. }) {
+                    // The relay now moves the KV into these blocks: what fails from here is
+                    // its to handle.
+                    f.retry = None;
+                }
                 let _ = f.client.send(Output::Kv(note));
             }
             // A scored prompt's scores, before its first token (a placement that starts
@@ -702,7 +710,8 @@ impl RemotePlane {
         let _ = st.router.add_request(req.id, d.worker, blocks, d.overlap_blocks, now);
         // The decode worker will not compute the prompt: no prefill load there.
         st.router.mark_prefill_done(req.id);
-        st.inflight.insert(req.id, Inflight::new(d.worker, tx, None));
+        let retry = Retry { req: req.clone(), blocks: blocks.clone() };
+        st.inflight.insert(req.id, Inflight::new(d.worker, tx, Some(retry)));
         drop(st);
         let (client, rx) = output_channel();
         tokio::spawn(disagg::relay(s.clone(), s.disagg, req.clone(), d.worker, d_rx, client));
