@@ -206,79 +206,22 @@ impl Sampler {
         let inv_t = 1.0 / params.temperature;
         let max = best_logit * inv_t;
         let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
-        if k == logits.len() && params.top_p >= 1.0 {
-            // No ranking needed: min-p is a threshold on each probability, and the draw walks
-            // the vocabulary in id order. The probabilities come from the kernels' softmax
-            // (vectorized `exp`), the walk skips whole chunks by their sums: a draw over a
-            // 50k vocabulary costs tens of microseconds, not hundreds.
+        if k == logits.len() {
             if !max.is_finite() {
                 // Nothing allowed (every logit -inf), or a temperature so small that the
                 // scaled logits overflow: the draw's limit is the greedy pick.
                 return Sampled { token: best, logprob: logprob_of(best) };
             }
+            // The whole vocabulary's probabilities, from the kernels' softmax (vectorized
+            // `exp`): a draw over a 50k vocabulary costs tens of microseconds, not hundreds.
             self.probs.clear();
             self.probs.extend_from_slice(logits);
             (kvx_kernels::cpu::kernels().softmax)(&mut self.probs, inv_t);
-            if params.min_p > 0.0 {
-                let floor = params.min_p * self.probs[best as usize];
-                for p in self.probs.iter_mut() {
-                    *p = if *p < floor { 0.0 } else { *p };
-                }
-            }
-            let total: f64 = self.probs.chunks(WALK).map(chunk_sum).sum();
-            let r = state.rng.random::<f64>() * total;
-            let chosen = walk(&self.probs, r).unwrap_or(best);
-            return Sampled { token: chosen, logprob: logprob_of(chosen) };
-        }
-        if k == logits.len() && max.is_finite() {
-            // Top-p over the whole vocabulary. The nucleus is a prefix of the tokens ranked by
-            // probability, so any set {p ≥ τ} holding at least `top_p` of the mass holds it
-            // whole: only that set is ranked. τ = 1e-3 keeps at most a thousand tokens; when
-            // those hold less than `top_p`, τ = (1 − top_p) / V always qualifies (what lies
-            // below it weighs at most V·τ).
-            self.probs.clear();
-            self.probs.extend_from_slice(logits);
-            (kvx_kernels::cpu::kernels().softmax)(&mut self.probs, inv_t);
-            let mass = |tau: f32| -> f64 {
-                self.probs.iter().map(|&p| if p >= tau { f64::from(p) } else { 0.0 }).sum()
-            };
-            let coarse = 1e-3f32;
-            let tau = if mass(coarse) >= f64::from(params.top_p) {
-                coarse
+            let chosen = if params.top_p >= 1.0 {
+                self.draw_in_id_order(params, state, best)
             } else {
-                (1.0 - params.top_p) / logits.len() as f32
+                self.draw_from_nucleus(params, state, logits, best)
             };
-            let probs = &self.probs;
-            self.idx.clear();
-            self.idx.extend((0..logits.len() as u32).filter(|&i| probs[i as usize] >= tau));
-            if self.idx.is_empty() {
-                return Sampled { token: best, logprob: logprob_of(best) };
-            }
-            self.idx.sort_unstable_by(|&a, &b| {
-                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-            });
-            let floor = params.min_p * probs[best as usize];
-            let mut keep = self.idx.iter().take_while(|&&i| probs[i as usize] >= floor).count();
-            let mut acc = 0.0f64;
-            for (n, &i) in self.idx[..keep].iter().enumerate() {
-                acc += f64::from(probs[i as usize]);
-                if acc >= f64::from(params.top_p) {
-                    keep = n + 1;
-                    break;
-                }
-            }
-            let keep = keep.max(1).min(self.idx.len());
-            let kept = &self.idx[..keep];
-            let total: f64 = kept.iter().map(|&i| f64::from(probs[i as usize])).sum();
-            let mut r = state.rng.random::<f64>() * total;
-            let mut chosen = kept[keep - 1];
-            for &i in kept {
-                r -= f64::from(probs[i as usize]);
-                if r <= 0.0 {
-                    chosen = i;
-                    break;
-                }
-            }
             return Sampled { token: chosen, logprob: logprob_of(chosen) };
         }
         // Candidates sorted by logit (descending), then truncated.
@@ -328,6 +271,78 @@ impl Sampler {
             }
         }
         Sampled { token: chosen, logprob: logprob_of(chosen) }
+    }
+
+    /// Without top-p no ranking is needed: min-p is a threshold on each probability of
+    /// `self.probs`, and the draw walks the vocabulary in id order, skipping whole chunks by
+    /// their sums.
+    fn draw_in_id_order(
+        &mut self,
+        params: &SamplingParams,
+        state: &mut SamplerState,
+        best: u32,
+    ) -> u32 {
+        if params.min_p > 0.0 {
+            let floor = params.min_p * self.probs[best as usize];
+            for p in self.probs.iter_mut() {
+                *p = if *p < floor { 0.0 } else { *p };
+            }
+        }
+        let total: f64 = self.probs.chunks(WALK).map(chunk_sum).sum();
+        let r = state.rng.random::<f64>() * total;
+        walk(&self.probs, r).unwrap_or(best)
+    }
+
+    /// Top-p over the whole vocabulary (`self.probs`). The nucleus is a prefix of the tokens
+    /// ranked by probability, so any set {p ≥ τ} holding at least `top_p` of the mass holds
+    /// it whole: only that set is ranked. τ = 1e-3 keeps at most a thousand tokens; when
+    /// those hold less than `top_p`, τ = (1 − top_p) / V always qualifies (what lies below
+    /// it weighs at most V·τ).
+    fn draw_from_nucleus(
+        &mut self,
+        params: &SamplingParams,
+        state: &mut SamplerState,
+        logits: &[f32],
+        best: u32,
+    ) -> u32 {
+        let probs = &self.probs;
+        let mass = |tau: f32| -> f64 {
+            probs.iter().map(|&p| if p >= tau { f64::from(p) } else { 0.0 }).sum()
+        };
+        let coarse = 1e-3f32;
+        let tau = if mass(coarse) >= f64::from(params.top_p) {
+            coarse
+        } else {
+            (1.0 - params.top_p) / logits.len() as f32
+        };
+        self.idx.clear();
+        self.idx.extend((0..logits.len() as u32).filter(|&i| probs[i as usize] >= tau));
+        if self.idx.is_empty() {
+            return best;
+        }
+        self.idx.sort_unstable_by(|&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+        });
+        let floor = params.min_p * probs[best as usize];
+        let mut keep = self.idx.iter().take_while(|&&i| probs[i as usize] >= floor).count();
+        let mut acc = 0.0f64;
+        for (n, &i) in self.idx[..keep].iter().enumerate() {
+            acc += f64::from(probs[i as usize]);
+            if acc >= f64::from(params.top_p) {
+                keep = n + 1;
+                break;
+            }
+        }
+        let kept = &self.idx[..keep.max(1).min(self.idx.len())];
+        let total: f64 = kept.iter().map(|&i| f64::from(probs[i as usize])).sum();
+        let mut r = state.rng.random::<f64>() * total;
+        for &i in kept {
+            r -= f64::from(probs[i as usize]);
+            if r <= 0.0 {
+                return i;
+            }
+        }
+        kept[kept.len() - 1]
     }
 
     /// The `n` most likely tokens with their log-probabilities (for `top_logprobs`),
