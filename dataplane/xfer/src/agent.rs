@@ -344,9 +344,10 @@ impl XferHandle {
 
     /// Cancel. Returns true when the transfer had not started and is now `Cancelled`; false
     /// when it already runs (the shm backend stops at the next descriptor; a TCP transfer
-    /// still waiting in its connection's send queue ends `Cancelled` unsent; TCP transfers on
-    /// the wire and file transfers run to their end) or has finished. Either way the handle
-    /// reports the outcome.
+    /// still waiting in its connection's send queue, or a file transfer waiting for room in
+    /// the ring, ends `Cancelled` unsent; TCP transfers on the wire and file transfers whose
+    /// I/O was submitted run to their end) or has finished. Either way the handle reports the
+    /// outcome.
     pub fn cancel(&self) -> bool {
         self.shared.slots.cancel(self.idx, self.seq)
     }

@@ -688,6 +688,13 @@ impl Engine {
                 self.file_q.pop_front();
                 continue;
             };
+            // A transfer cancelled while it waited here (none of its ops submitted yet) ends
+            // `Cancelled` unsubmitted, as one waiting in a connection's send queue does.
+            if x.next == 0 && self.sh.slots.cancel_requested(slot, x.seq) {
+                self.file_q.pop_front();
+                self.finish(slot, Err(XferError::Cancelled));
+                continue;
+            }
             let n = p.inner.local.len();
             while self.xs[slot as usize].next < n {
                 if self.inflight >= limit {

@@ -297,7 +297,7 @@ fn many_in_flight_complete_in_any_order(backend: Backend) {
 
 fn cancel_before_start(backend: Backend) {
     let fx = fixture(backend);
-    let block = 1 << 20;
+    let block = 512 << 10;
     let p =
         fx.a.prep(
             fx.remote,
@@ -306,9 +306,12 @@ fn cancel_before_start(backend: Backend) {
             Some(backend),
         )
         .unwrap();
-    // 256 MiB queued: more than the copy threads can move while this thread posts and then
-    // cancels, even when they (three on two cores) crowd it out for a few milliseconds.
-    let hs: Vec<_> = (0..256).map(|_| fx.a.post(Op::Write, &p, b"").unwrap()).collect();
+    // 240 MiB queued: more than the copy threads can move while this thread posts and then
+    // cancels, even when they (three on two cores) crowd it out for a few milliseconds. 480
+    // transfers, nearly every slot of the agent and nearly twice the ring's entries: file transfers beyond those wait in the
+    // engine's queue, where a cancel still finds them (the engine takes a job off its channel
+    // at once, so the channel alone is no queue to cancel in).
+    let hs: Vec<_> = (0..480).map(|_| fx.a.post(Op::Write, &p, b"").unwrap()).collect();
     let cancelled: Vec<bool> = hs.iter().rev().map(|h| h.cancel()).collect();
     let mut ended_cancelled = 0;
     for (h, c) in hs.iter().rev().zip(&cancelled) {
@@ -320,8 +323,8 @@ fn cancel_before_start(backend: Backend) {
         }
         ended_cancelled += usize::from(r == Err(XferError::Cancelled));
     }
-    // Cancelled at once while queued for the engine, or (TCP) while waiting behind 250 MiB
-    // in the connection's send queue: either way most of them never move.
+    // Cancelled at once while queued for the engine, or while waiting behind 200 MiB in the
+    // connection's send queue (TCP) or the file queue: either way most of them never move.
     assert!(ended_cancelled > 0, "{backend:?}: queued transfers can be cancelled");
     // The agent still works afterwards.
     fx.run(Op::Write, &[Desc::new(fx.local, 0, block)], &[Desc::new(fx.target, 0, block)], b"")
