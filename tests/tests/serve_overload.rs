@@ -2,7 +2,8 @@
 //! past the running bound wait in order, a full queue answers 429 with `Retry-After`, a
 //! request's `timeout` ends it in the queue (408) or mid-stream (a `timeout` event) and frees
 //! its blocks, and a stream whose client stops reading is cut at the byte bound with its KV
-//! blocks freed, and one whose client keeps its window shut is closed after the send timeout.
+//! blocks freed, and one whose client keeps its window shut is closed after the send timeout;
+//! on the model, `--max-running knee` follows the engine's batch knee.
 
 use std::time::{Duration, Instant};
 
@@ -170,4 +171,36 @@ fn a_client_that_stops_reading_is_closed_after_the_send_timeout() {
     let mut rest = Vec::new();
     let _ = held.read_to_end(&mut rest);
     assert!(!String::from_utf8_lossy(&rest).contains("[DONE]"), "the stream ran to its end");
+}
+
+#[test]
+fn on_the_model_the_running_bound_follows_the_engine_s_batch_knee() {
+    // One shard of 64 sequence slots: the bound starts at the slots.
+    let s = Served::start(&["--shards", "1", "--max-running", "knee"]);
+    assert_eq!(s.metric("kvx_admission_running_bound"), Some(64.0));
+    // Waves of 16 requests of different lengths: decode steps of 16 sequences down to 1.
+    for _ in 0..3 {
+        let clients: Vec<_> = (0..16)
+            .map(|i| {
+                let addr = s.addr.clone();
+                std::thread::spawn(move || {
+                    let b = json!({"prompt": "Count to a hundred:", "max_tokens": 4 + 8 * i,
+                        "ignore_eos": true, "temperature": 0});
+                    http(&addr, "POST", "/v1/completions", &[], Some(b.to_string().as_bytes()))
+                })
+            })
+            .collect();
+        for c in clients {
+            let r = c.join().expect("client");
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+    }
+    // A step here costs a fixed part (the weights) and a part per sequence: the knee, where
+    // 90% of the slots' throughput is had, lies well under the slots and over the floor (4).
+    let mut bound = None;
+    wait_for("the bound at the knee", Duration::from_secs(10), || {
+        bound = s.metric("kvx_admission_running_bound");
+        bound.is_some_and(|b| b < 64.0)
+    });
+    assert!(bound.is_some_and(|b| b >= 4.0), "{bound:?}");
 }

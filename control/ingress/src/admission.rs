@@ -10,7 +10,11 @@
 //! request admitted starts within a step or two, so the wait is here, where it is estimated
 //! and bounded. Unless set, the wait bound is the recent mean time admitted requests took to
 //! start, between [`AUTO_WAIT_FLOOR`] and [`AUTO_WAIT_MAX`]: a request waits here at most
-//! about as long as its start then takes.
+//! about as long as its start then takes. The running bound may follow the engines' batch
+//! knees ([`Admission::set_running_bound`]): the fewest sequences that give nearly the
+//! decode throughput of all their slots, so that under overload the engines run where their
+//! throughput is already had and what is past it waits here, estimated and bounded, instead
+//! of lengthening every running request's steps.
 //!
 //! Measured and not kept: adding the engines' recent dispatch-to-first-token time to the
 //! estimate (the two-second feedback lags, admissions come in waves, and both latency and
@@ -35,6 +39,10 @@ pub struct AdmissionConfig {
     /// Engine requests dispatched and not ended at most; more wait here (0 = no bound here:
     /// requests wait in the engines' queues, and the wait check still applies).
     pub max_running: usize,
+    /// When above 0, the running bound follows [`Admission::set_running_bound`] (the
+    /// engines' batch knees) between this and `max_running`; a request's choices count as
+    /// this many slots at most.
+    pub running_floor: usize,
     /// Prompt tokens of engine requests admitted that have not produced their first output,
     /// at most (0 = no bound; a larger request runs alone); more wait here.
     pub max_starting_tokens: usize,
@@ -56,7 +64,61 @@ pub const AUTO_WAIT_MAX: Duration = Duration::from_secs(2);
 
 impl Default for AdmissionConfig {
     fn default() -> Self {
-        AdmissionConfig { max_running: 0, max_starting_tokens: 0, max_queue: 1024, max_wait: None }
+        AdmissionConfig {
+            max_running: 0,
+            running_floor: 0,
+            max_starting_tokens: 0,
+            max_queue: 1024,
+            max_wait: None,
+        }
+    }
+}
+
+/// `--max-running`: how many engine requests may run at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RunningBound {
+    /// `0`: the serving side's sequence slots in one process, no bound in front of workers.
+    #[default]
+    Default,
+    /// At most this many.
+    Fixed(usize),
+    /// `knee`: the decoding workers' batch knees (their slots until known), no fewer than
+    /// a floor: under overload the engines run where their throughput is had and the rest
+    /// wait or are refused here. Closed-loop clients above the knees wait, or are refused
+    /// when their wait would be longer than the wait bound.
+    Knee,
+}
+
+/// The most requests a bound that follows the knees admits in front of workers whose slots
+/// are not known (a frontend before any worker reported).
+pub const KNEE_CAP: usize = 1 << 16;
+
+impl std::str::FromStr for RunningBound {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "knee" => Ok(RunningBound::Knee),
+            "0" => Ok(RunningBound::Default),
+            n => n
+                .parse()
+                .map(RunningBound::Fixed)
+                .map_err(|_| format!("expected a number of requests or `knee`, not `{n}`")),
+        }
+    }
+}
+
+impl RunningBound {
+    /// Sets `cfg`'s running bound for a serving side of `slots` sequence slots (`None`: not
+    /// known, in front of workers) whose knees may be followed down to `floor`.
+    pub fn apply(self, cfg: &mut AdmissionConfig, slots: Option<usize>, floor: usize) {
+        let (max, fl) = match self {
+            RunningBound::Default => (slots.unwrap_or(0), 0),
+            RunningBound::Fixed(n) => (n, 0),
+            RunningBound::Knee => (slots.unwrap_or(KNEE_CAP).max(1), floor.max(1)),
+        };
+        cfg.max_running = max;
+        cfg.running_floor = fl.min(max);
     }
 }
 
@@ -132,6 +194,12 @@ pub struct Admission {
     holds: Holds,
     /// How long requests took from their starting slot to their first output.
     start_holds: Holds,
+    /// The running bound now (`max_running` unless it follows the knees).
+    bound: AtomicUsize,
+    /// Running slots to forget as they come back: the bound was lowered below those in use.
+    debt: AtomicUsize,
+    /// Serializes changes of the bound.
+    resize: Mutex<()>,
 }
 
 impl Admission {
@@ -140,6 +208,7 @@ impl Admission {
         let slots = (cfg.max_running > 0).then(|| Arc::new(Semaphore::new(cfg.max_running)));
         // As many permits as a semaphore holds and one acquisition takes.
         let cfg = AdmissionConfig {
+            running_floor: cfg.running_floor.min(cfg.max_running),
             max_starting_tokens: cfg
                 .max_starting_tokens
                 .min(Semaphore::MAX_PERMITS)
@@ -157,7 +226,36 @@ impl Admission {
             unstarted: AtomicUsize::new(0),
             holds: Holds::default(),
             start_holds: Holds::default(),
+            bound: AtomicUsize::new(cfg.max_running),
+            debt: AtomicUsize::new(0),
+            resize: Mutex::new(()),
         })
+    }
+
+    /// The running bound now.
+    pub fn running_bound(&self) -> usize {
+        self.bound.load(Ordering::Relaxed)
+    }
+
+    /// Sets the running bound to `n`, within [`AdmissionConfig::running_floor`] and
+    /// [`AdmissionConfig::max_running`] (nothing without a floor): raised, the slots are free
+    /// at once; lowered, free slots go at once and those in use as they come back.
+    pub fn set_running_bound(&self, n: usize) {
+        let Some(slots) = &self.slots else { return };
+        if self.cfg.running_floor == 0 {
+            return;
+        }
+        let n = n.clamp(self.cfg.running_floor, self.cfg.max_running);
+        let _one = self.resize.lock().unwrap_or_else(|p| p.into_inner());
+        let old = self.bound.swap(n, Ordering::Relaxed);
+        if n > old {
+            let more = n - old;
+            slots.add_permits(more - take_debt(&self.debt, more));
+        } else if n < old {
+            let less = old - n;
+            let gone = slots.forget_permits(less);
+            self.debt.fetch_add(less - gone, Ordering::Relaxed);
+        }
     }
 
     /// The bounds in force.
@@ -217,7 +315,7 @@ impl Admission {
             0 => 0.0,
             b => holds.mean(now).map_or(0.0, |h| ahead as f64 * h / b as f64),
         };
-        let run = wait(queued + w, self.cfg.max_running, &self.holds);
+        let run = wait(queued + w, self.running_bound(), &self.holds);
         let queued_tokens = self.queued_tokens.load(Ordering::Relaxed);
         let start = wait(queued_tokens + t, self.cfg.max_starting_tokens, &self.start_holds);
         Duration::from_secs_f64(run.max(start).min(1e6))
@@ -226,9 +324,11 @@ impl Admission {
     /// Running slots and starting tokens `weight` engine requests of `tokens` prompt tokens
     /// take (each at least one, at most the bound).
     fn weights(&self, weight: usize, tokens: usize) -> (usize, usize) {
-        let w = match self.cfg.max_running {
-            0 => weight.max(1),
-            m => weight.clamp(1, m),
+        let w = match (self.cfg.max_running, self.cfg.running_floor) {
+            (0, _) => weight.max(1),
+            (m, 0) => weight.clamp(1, m),
+            // The bound may fall to the floor while this waits.
+            (_, f) => weight.clamp(1, f),
         };
         let t = match self.cfg.max_starting_tokens {
             0 => tokens.max(1),
@@ -279,6 +379,16 @@ impl Admission {
             since: Instant::now(),
         })
     }
+}
+
+/// Takes up to `most` off `debt`; returns how many.
+fn take_debt(debt: &AtomicUsize, most: usize) -> usize {
+    let mut taken = 0;
+    let _ = debt.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
+        taken = d.min(most);
+        Some(d - taken)
+    });
+    taken
 }
 
 /// `n` permits of `slots` (none without a bound), waited for until `deadline` at most.
@@ -370,12 +480,22 @@ impl Drop for Ticket {
         a.unstarted.fetch_sub(self.unstarted, Ordering::Relaxed);
         // Only a request that started says how long a slot is held (one refused by the
         // engine at once would pull the estimate towards zero).
-        if let Some(p) = self.permit.take().filter(|_| self.unstarted < self.weight) {
+        let Some(mut p) = self.permit.take() else { return };
+        if self.unstarted < self.weight {
             let now = Instant::now();
             let held = now.saturating_duration_since(self.slotted).as_secs_f64();
             for _ in 0..p.num_permits() {
                 a.holds.add(now, held);
             }
+        }
+        // Slots past a lowered bound do not come back.
+        let owed = take_debt(&a.debt, p.num_permits());
+        if owed == p.num_permits() {
+            p.forget();
+        } else if owed > 0
+            && let Some(gone) = p.split(owed)
+        {
+            gone.forget();
         }
     }
 }
@@ -387,9 +507,9 @@ mod tests {
     fn adm(max_running: usize, max_queue: usize, max_wait_ms: u64) -> Arc<Admission> {
         Admission::new(AdmissionConfig {
             max_running,
-            max_starting_tokens: 0,
             max_queue,
             max_wait: Some(Duration::from_millis(max_wait_ms)),
+            ..AdmissionConfig::default()
         })
     }
 
@@ -399,7 +519,7 @@ mod tests {
             max_running: 10,
             max_starting_tokens: 4,
             max_queue: 10,
-            max_wait: None,
+            ..AdmissionConfig::default()
         });
         // No start known yet: the most.
         assert_eq!(a.wait_bound(Instant::now()), AUTO_WAIT_MAX);
@@ -457,6 +577,77 @@ mod tests {
         assert_eq!(a.unstarted.load(Ordering::Relaxed), 0);
         drop(wide);
         assert_eq!(a.unstarted.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn a_running_bound_that_follows_the_knees_moves_within_its_floor_and_slots() {
+        let a = Admission::new(AdmissionConfig {
+            max_running: 8,
+            running_floor: 2,
+            max_queue: 16,
+            max_wait: Some(Duration::from_secs(3600)),
+            ..AdmissionConfig::default()
+        });
+        let free = || a.slots.as_ref().unwrap().available_permits();
+        assert_eq!(a.running_bound(), 8);
+        let mut held: Vec<Ticket> = Vec::new();
+        for _ in 0..6 {
+            held.push(a.enter(1, 1, None).await.unwrap());
+        }
+        // Lowered to 4 with 6 in use: the 2 free slots go at once, 2 more as they come back.
+        a.set_running_bound(4);
+        assert_eq!((a.running_bound(), free(), a.debt.load(Ordering::Relaxed)), (4, 0, 2));
+        held.truncate(3);
+        assert_eq!((free(), a.debt.load(Ordering::Relaxed)), (1, 0));
+        // A newcomer takes the free one; the next waits for a slot.
+        held.push(a.enter(1, 1, None).await.unwrap());
+        let a2 = a.clone();
+        let waiting = tokio::spawn(async move { a2.enter(1, 1, None).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued(), 1);
+        // Raised past the slots: the slots; the waiting one gets in.
+        a.set_running_bound(100);
+        assert_eq!(a.running_bound(), 8);
+        held.push(waiting.await.unwrap().unwrap());
+        assert_eq!(free(), 3);
+        // Never under the floor; a request's choices count as the floor at most.
+        a.set_running_bound(0);
+        assert_eq!((a.running_bound(), free(), a.debt.load(Ordering::Relaxed)), (2, 0, 3));
+        held.clear();
+        assert_eq!((free(), a.debt.load(Ordering::Relaxed)), (2, 0));
+        let wide = a.enter(5, 1, None).await.unwrap();
+        assert_eq!(free(), 0);
+        drop(wide);
+        // Raised while slots are owed: the debt is forgiven first.
+        a.set_running_bound(4);
+        held.push(a.enter(2, 1, None).await.unwrap());
+        held.push(a.enter(2, 1, None).await.unwrap());
+        a.set_running_bound(2);
+        assert_eq!((free(), a.debt.load(Ordering::Relaxed)), (0, 2));
+        a.set_running_bound(3);
+        assert_eq!((free(), a.debt.load(Ordering::Relaxed)), (0, 1));
+        held.clear();
+        assert_eq!((free(), a.debt.load(Ordering::Relaxed)), (3, 0));
+    }
+
+    #[test]
+    fn the_running_bound_flag_reads_numbers_and_knee() {
+        let parse = |s: &str| s.parse::<RunningBound>();
+        assert_eq!(parse("0"), Ok(RunningBound::Default));
+        assert_eq!(parse("16"), Ok(RunningBound::Fixed(16)));
+        assert_eq!(parse("knee"), Ok(RunningBound::Knee));
+        assert!(parse("-1").unwrap_err().contains("`knee`"));
+        let with = |b: RunningBound, slots, floor| {
+            let mut c = AdmissionConfig::default();
+            b.apply(&mut c, slots, floor);
+            (c.max_running, c.running_floor)
+        };
+        assert_eq!(with(RunningBound::Default, Some(128), 8), (128, 0));
+        assert_eq!(with(RunningBound::Default, None, 8), (0, 0));
+        assert_eq!(with(RunningBound::Fixed(16), Some(128), 8), (16, 0));
+        assert_eq!(with(RunningBound::Knee, Some(128), 8), (128, 8));
+        assert_eq!(with(RunningBound::Knee, None, 4), (KNEE_CAP, 4));
+        assert_eq!(with(RunningBound::Knee, Some(2), 8), (2, 2));
     }
 
     #[test]

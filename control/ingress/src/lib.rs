@@ -25,7 +25,7 @@ mod tier_metrics;
 pub mod tls;
 pub mod tools;
 
-pub use admission::{AdmissionConfig, Refused};
+pub use admission::{AdmissionConfig, Refused, RunningBound};
 pub use dispatch::{DispatchError, Dispatcher, ModelInfo, WorkerState};
 pub use error::{ApiError, IngressError};
 pub use keys::{Access, ApiKeys, Grant, Limits};

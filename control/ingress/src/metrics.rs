@@ -43,6 +43,8 @@ pub struct Metrics {
     pub admission_queued: Gauge,
     /// The wait a request arriving now would face, seconds.
     pub admission_wait: GaugeF,
+    /// Engine requests running at once at most (0: no bound).
+    pub admission_bound: Gauge,
     /// Time to first token.
     pub ttft: Histogram,
     /// Gap between consecutive tokens of a stream.
@@ -148,6 +150,12 @@ impl Metrics {
             "admission_estimated_wait_seconds",
             "The wait a request arriving now would face before it starts",
             admission_wait.clone(),
+        );
+        let admission_bound = Gauge::default();
+        r.register(
+            "admission_running_bound",
+            "Engine requests running at once at most (the engines' batch knees unless set; 0: none)",
+            admission_bound.clone(),
         );
         // Eight buckets an octave (9% wide) for the latencies users set targets on, so that
         // `histogram_quantile` lands within 9% of the true quantile wherever it falls.
@@ -265,6 +273,7 @@ impl Metrics {
             streams_cut,
             admission_queued,
             admission_wait,
+            admission_bound,
             ttft,
             itl,
             e2e,

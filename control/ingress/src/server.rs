@@ -13,7 +13,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -27,6 +27,7 @@ use axum::serve::ListenerExt;
 use bytes::{Bytes, BytesMut};
 use http_body::Frame;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use kvx_proto::plane::WorkerRole;
 use kvx_proto::{FinishReason, GenerateRequest, Output, RequestId, TokenId, Usage};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -34,7 +35,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::admission::{Admission, AdmissionConfig, Refused, Ticket};
 use crate::conn;
-use crate::dispatch::{Dispatcher, ModelInfo};
+use crate::dispatch::{Dispatcher, ModelInfo, WorkerState};
 use crate::error::{ApiError, IngressError};
 use crate::fanout::{self, UsageSum};
 use crate::keys::{Access, ApiKeys, Grant, KeyPermit};
@@ -213,6 +214,9 @@ impl Server {
             sh.draining.store(true, Ordering::SeqCst);
             let _ = sig_tx.send(());
         };
+        if shared.cfg.admission.running_floor > 0 {
+            tokio::spawn(follow_knees(Arc::downgrade(&shared)));
+        }
         let header_timeout = shared.cfg.header_read_timeout;
         let send_timeout = shared.cfg.send_timeout;
         let mut serve = match shared.cfg.tls.clone() {
@@ -361,6 +365,7 @@ async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     }
     s.metrics.admission_queued.set(s.admission.queued() as i64);
     s.metrics.admission_wait.set(s.admission.estimated_wait(Instant::now(), 1, 1).as_secs_f64());
+    s.metrics.admission_bound.set(s.admission.running_bound() as i64);
     let text = s.metrics.render(&s.dispatcher.workers(), &s.dispatcher.router_metrics());
     let mut r = Response::new(Body::from(text));
     r.headers_mut().insert(
@@ -1571,5 +1576,65 @@ impl http_body::Body for SseBody {
 
     fn is_end_stream(&self) -> bool {
         self.ended
+    }
+}
+
+/// How often the running bound follows the engines' batch knees.
+const KNEE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Every [`KNEE_INTERVAL`], while the server lives, sets the admission's running bound to the
+/// decoding workers' batch knees ([`knee_sum`]).
+async fn follow_knees(shared: Weak<Shared>) {
+    let mut tick = tokio::time::interval(KNEE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let Some(s) = shared.upgrade() else { return };
+        if let Some(n) = knee_sum(&s.dispatcher.workers()) {
+            s.admission.set_running_bound(n);
+        }
+    }
+}
+
+/// The sum of the live decoding (and aggregated) workers' batch knees, their sequence slots
+/// where a knee is not known yet; `None` without such a worker or when one reports neither.
+pub(crate) fn knee_sum(workers: &[WorkerState]) -> Option<usize> {
+    let mut sum = None;
+    for w in workers.iter().filter(|w| w.alive && w.role != WorkerRole::Prefill) {
+        let l = &w.metrics.load;
+        let k = if l.batch_knee > 0 { l.batch_knee } else { l.seq_slots };
+        if k == 0 {
+            return None;
+        }
+        sum = Some(sum.unwrap_or(0) + k as usize);
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    use kvx_proto::{LoadReport, WorkerMetrics};
+
+    use super::*;
+
+    #[test]
+    fn the_running_bound_is_the_decoding_workers_knees() {
+        let w = |id, role, alive, seq_slots, batch_knee| WorkerState {
+            id,
+            alive,
+            role,
+            metrics: WorkerMetrics {
+                load: LoadReport { worker_id: id, seq_slots, batch_knee, ..Default::default() },
+                ..Default::default()
+            },
+        };
+        let (p, d, g) = (WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Agg);
+        // Knees where known, slots where not; prefill workers and dead ones do not count.
+        let ws = [w(0, p, true, 64, 9), w(1, d, true, 64, 18), w(2, d, true, 64, 0)];
+        assert_eq!(knee_sum(&ws), Some(82));
+        assert_eq!(knee_sum(&[w(1, g, true, 64, 20), w(2, g, false, 64, 20)]), Some(20));
+        // Nothing to follow: none decodes, or one reports neither.
+        assert_eq!(knee_sum(&[w(0, p, true, 64, 9)]), None);
+        assert_eq!(knee_sum(&[w(1, d, true, 64, 18), w(2, d, true, 0, 0)]), None);
     }
 }

@@ -346,6 +346,8 @@ pub struct Engine {
     fork_row: Vec<f32>,
     stats: EngineStats,
     last_step_ms: f32,
+    /// Decode-only steps' time against their batch (the batch knee).
+    knee: crate::knee::KneeFit,
     seed_counter: u64,
     /// Start of the engine's clock for quarantined blocks.
     epoch: Instant,
@@ -391,6 +393,7 @@ impl Engine {
             fork_row: vec![0.0; n_vocab],
             stats: EngineStats::default(),
             last_step_ms: 0.0,
+            knee: crate::knee::KneeFit::default(),
             seed_counter: 0x9e37_79b9_7f4a_7c15,
             epoch: Instant::now(),
             kv_quarantine: std::time::Duration::from_secs(60),
@@ -451,6 +454,8 @@ impl Engine {
             total_blocks: pool.capacity() as u32,
             queued_prefill_tokens: self.sched.queued_prefill_tokens() as u32,
             step_ms: self.last_step_ms,
+            seq_slots: self.cfg.sched.max_num_seqs as u32,
+            batch_knee: self.knee.knee(self.cfg.sched.max_num_seqs).unwrap_or(0) as u32,
         }
     }
 
@@ -782,10 +787,12 @@ impl Engine {
         let mut chunks = recycle(std::mem::take(&mut self.chunk_buf));
         // The context the step's decoded tokens attend.
         let mut decode_context = 0usize;
+        let mut decoded = 0usize;
         for c in &self.plan.chunks {
             if let Some(seq) = self.sched.seq(c.seq) {
                 if c.len == 1 && c.start >= seq.prompt_len {
                     decode_context += c.start + 1;
+                    decoded += 1;
                 }
                 // A greedy request that reads nothing but its token needs only the first
                 // maximum of its logits (the model may then screen the head). A constrained
@@ -950,6 +957,9 @@ impl Engine {
         }
         let secs = t0.elapsed().as_secs_f64();
         self.last_step_ms = (secs * 1e3) as f32;
+        if self.plan.num_prefill_tokens == 0 {
+            self.knee.add(decoded, secs);
+        }
         self.stats.step.add(
             self.plan.num_prefill_tokens as f64,
             decode_context as f64,

@@ -7,6 +7,7 @@ pub mod block_pool;
 pub mod constraint;
 pub mod engine;
 pub mod eval;
+pub mod knee;
 pub mod mocker;
 pub mod output;
 pub mod reference;

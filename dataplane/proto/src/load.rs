@@ -23,6 +23,13 @@ pub struct LoadReport {
     pub queued_prefill_tokens: u32,
     /// Duration of the last step, milliseconds.
     pub step_ms: f32,
+    /// Sequences it computes at once at most (0: not reported).
+    #[serde(default)]
+    pub seq_slots: u32,
+    /// The fewest sequences decoding at once that give nearly the decode throughput of all
+    /// its slots, from its own step times (0: not known yet).
+    #[serde(default)]
+    pub batch_knee: u32,
 }
 
 impl LoadReport {

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub use kvx_engine::eval;
+pub use kvx_engine::knee;
 
 pub mod kvlink;
 pub mod profile;

@@ -304,6 +304,14 @@ impl EngineSetup {
         engines * self.limits.max_num_seqs.max(1)
     }
 
+    /// The least running bound that follows the decoding engines' batch knees:
+    /// [`kvx_engine::knee::FLOOR_PER_ENGINE`] each (at most their slots).
+    pub fn knee_floor(&self) -> usize {
+        let decoders = (0..self.engines).filter(|&i| self.role(i) == WorkerRole::Decode).count();
+        let engines = if decoders > 0 { decoders } else { self.engines };
+        engines * kvx_engine::knee::FLOOR_PER_ENGINE.min(self.limits.max_num_seqs.max(1))
+    }
+
     /// Whether any engine takes part in disaggregated serving.
     pub fn disaggregated(&self) -> bool {
         (0..self.engines).any(|i| self.role(i) != WorkerRole::Agg)

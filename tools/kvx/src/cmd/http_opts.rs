@@ -11,8 +11,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvx_ingress::{AdmissionConfig, ApiKeys, IngressConfig, ServerHandle, Tls};
+use kvx_ingress::{AdmissionConfig, ApiKeys, IngressConfig, RunningBound, ServerHandle, Tls};
 
+use kvx_worker::knee::FLOOR_PER_ENGINE;
 use kvx_worker::store::{CATALOGUE, DEFAULT};
 
 #[derive(Debug, Clone, Args)]
@@ -79,9 +80,11 @@ pub(crate) struct HttpOpts {
     #[arg(long, env = "KVX_SEND_TIMEOUT", default_value_t = 30.0)]
     pub(crate) send_timeout: f64,
     /// Engine requests running at once at most; more wait in the admission queue in arrival
-    /// order (0 = the engines' sequence slots with `serve`, no bound with `frontend`).
-    #[arg(long, env = "KVX_MAX_RUNNING", default_value_t = 0)]
-    pub(crate) max_running: usize,
+    /// order (0 = the engines' sequence slots with `serve`, no bound with `frontend`;
+    /// `knee` = the decoding workers' batch knees, the fewest sequences that give 90% of the
+    /// decode throughput of all their slots, measured as they run).
+    #[arg(long, env = "KVX_MAX_RUNNING", default_value = "0")]
+    pub(crate) max_running: RunningBound,
     /// Prompt tokens of engine requests admitted that have not produced their first output
     /// (waiting in the engines or being prefilled) at most; more wait in the admission queue
     /// (0 = no bound; e.g. the engines' step token budgets, 512 per shard by default).
@@ -128,6 +131,15 @@ impl HttpOpts {
             (None, None) => None,
             _ => bail!("--tls-cert and --tls-key go together"),
         };
+        let mut admission = AdmissionConfig {
+            max_running: 0,
+            running_floor: 0,
+            max_starting_tokens: self.max_starting_tokens,
+            max_queue: self.max_queue.max(1),
+            max_wait: self.max_queue_wait.map(Duration::from_secs_f64),
+        };
+        // In front of workers; `serve` applies it again with its engines' slots.
+        self.max_running.apply(&mut admission, None, FLOOR_PER_ENGINE);
         Ok(IngressConfig {
             addr: SocketAddr::new(self.host, self.port),
             keys: ApiKeys::new(&self.api_keys, &self.admin_keys, self.api_keys_file.as_deref())?,
@@ -138,12 +150,7 @@ impl HttpOpts {
             header_read_timeout: Duration::from_secs_f64(self.header_read_timeout),
             body_read_timeout: Duration::from_secs_f64(self.body_read_timeout),
             send_timeout: Duration::from_secs_f64(self.send_timeout),
-            admission: AdmissionConfig {
-                max_running: self.max_running,
-                max_starting_tokens: self.max_starting_tokens,
-                max_queue: self.max_queue.max(1),
-                max_wait: self.max_queue_wait.map(Duration::from_secs_f64),
-            },
+            admission,
             stream_buffer_bytes: self.stream_buffer_bytes.max(4096),
         })
     }

@@ -100,10 +100,13 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     setup.mocker.blocks = args.mocker_blocks;
     setup.mocker.vocab = (args.mocker_vocab > 0).then_some(args.mocker_vocab);
     let n = setup.engines;
-    if cfg.admission.max_running == 0 {
-        // Past the engines' sequence slots, requests wait in front of the router.
-        cfg.admission.max_running = setup.sequence_slots();
-    }
+    // Past the engines' sequence slots (or their batch knees), requests wait in front of the
+    // router.
+    args.http.max_running.apply(
+        &mut cfg.admission,
+        Some(setup.sequence_slots()),
+        setup.knee_floor(),
+    );
     let prepared = setup.prepare()?;
     let tokenizer = prepared.tokenizer().cloned().context("the model has no tokenizer")?;
     let context = prepared.context_limit();
