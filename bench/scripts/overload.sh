@@ -5,7 +5,7 @@
 #  1. capacity: a server with the default flags, closed loop at CAP_CONC streams for CAP_DUR s:
 #     completed requests/s = C (the default flags run as many sequences as the engines hold:
 #     this is the most the server completes).
-#  2. a server with the flags given to this script (e.g. --max-running 16),
+#  2. a server with the flags given to this script (e.g. --max-running knee, or 16),
 #     warmed up, then
 #     base:     0.8 C for DUR s;
 #     overload: 3 C for DUR s (two clients: 2.2 C, and 0.8 C that runs RECOVER s longer);

@@ -154,7 +154,7 @@ impl Metrics {
         let admission_bound = Gauge::default();
         r.register(
             "admission_running_bound",
-            "Engine requests running at once at most (the engines' batch knees unless set; 0: none)",
+            "Engine requests running at once at most (0: no bound; with --max-running knee, the engines' batch knees)",
             admission_bound.clone(),
         );
         // Eight buckets an octave (9% wide) for the latencies users set targets on, so that

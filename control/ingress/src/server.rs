@@ -1597,16 +1597,16 @@ async fn follow_knees(shared: Weak<Shared>) {
 }
 
 /// The sum of the live decoding (and aggregated) workers' batch knees, their sequence slots
-/// where a knee is not known yet; `None` without such a worker or when one reports neither.
+/// where a knee is not known yet; workers that report neither (not reported yet, or built
+/// before knees) are left out. `None` without any that reports.
 pub(crate) fn knee_sum(workers: &[WorkerState]) -> Option<usize> {
     let mut sum = None;
     for w in workers.iter().filter(|w| w.alive && w.role != WorkerRole::Prefill) {
         let l = &w.metrics.load;
         let k = if l.batch_knee > 0 { l.batch_knee } else { l.seq_slots };
-        if k == 0 {
-            return None;
+        if k > 0 {
+            sum = Some(sum.unwrap_or(0) + k as usize);
         }
-        sum = Some(sum.unwrap_or(0) + k as usize);
     }
     sum
 }
@@ -1633,8 +1633,10 @@ mod tests {
         let ws = [w(0, p, true, 64, 9), w(1, d, true, 64, 18), w(2, d, true, 64, 0)];
         assert_eq!(knee_sum(&ws), Some(82));
         assert_eq!(knee_sum(&[w(1, g, true, 64, 20), w(2, g, false, 64, 20)]), Some(20));
-        // Nothing to follow: none decodes, or one reports neither.
+        // One that reports neither is left out; nothing to follow when none decodes or
+        // reports.
+        assert_eq!(knee_sum(&[w(1, d, true, 64, 18), w(2, d, true, 0, 0)]), Some(18));
         assert_eq!(knee_sum(&[w(0, p, true, 64, 9)]), None);
-        assert_eq!(knee_sum(&[w(1, d, true, 64, 18), w(2, d, true, 0, 0)]), None);
+        assert_eq!(knee_sum(&[w(2, d, true, 0, 0)]), None);
     }
 }

@@ -348,6 +348,9 @@ pub struct Engine {
     last_step_ms: f32,
     /// Decode-only steps' time against their batch (the batch knee).
     knee: crate::knee::KneeFit,
+    /// The last knee a trusted fit gave (0: none yet). Kept while the fit lapses: a bound at
+    /// the knee makes every batch about the knee, and the spread a fit needs fades.
+    last_knee: u32,
     seed_counter: u64,
     /// Start of the engine's clock for quarantined blocks.
     epoch: Instant,
@@ -394,6 +397,7 @@ impl Engine {
             stats: EngineStats::default(),
             last_step_ms: 0.0,
             knee: crate::knee::KneeFit::default(),
+            last_knee: 0,
             seed_counter: 0x9e37_79b9_7f4a_7c15,
             epoch: Instant::now(),
             kv_quarantine: std::time::Duration::from_secs(60),
@@ -455,7 +459,7 @@ impl Engine {
             queued_prefill_tokens: self.sched.queued_prefill_tokens() as u32,
             step_ms: self.last_step_ms,
             seq_slots: self.cfg.sched.max_num_seqs as u32,
-            batch_knee: self.knee.knee(self.cfg.sched.max_num_seqs).unwrap_or(0) as u32,
+            batch_knee: self.last_knee,
         }
     }
 
@@ -959,6 +963,11 @@ impl Engine {
         self.last_step_ms = (secs * 1e3) as f32;
         if self.plan.num_prefill_tokens == 0 {
             self.knee.add(decoded, secs);
+            if self.stats.steps.is_multiple_of(64)
+                && let Some(k) = self.knee.knee(self.cfg.sched.max_num_seqs)
+            {
+                self.last_knee = k as u32;
+            }
         }
         self.stats.step.add(
             self.plan.num_prefill_tokens as f64,

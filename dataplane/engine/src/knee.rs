@@ -23,7 +23,7 @@ const MIN_R2: f64 = 0.5;
 /// Share of the throughput at the engine's sequence slots the knee keeps.
 pub const KNEE_SHARE: f64 = 0.9;
 
-/// The least running bound per engine a server following the knees sets.
+/// The least knee an engine reports (at most its slots).
 pub const FLOOR_PER_ENGINE: usize = 4;
 
 /// Decaying least-squares sums of decode steps' batch `B` and time `t` (seconds).
@@ -75,11 +75,11 @@ impl KneeFit {
     }
 
     /// The knee for an engine of `slots` sequence slots: the fewest sequences whose decode
-    /// throughput is [`KNEE_SHARE`] of what `slots` give, by the fit (at least one, at most
-    /// `slots`); `None` without a fit.
+    /// throughput is [`KNEE_SHARE`] of what `slots` give, by the fit, and no fewer than
+    /// [`FLOOR_PER_ENGINE`] (at most `slots`); `None` without a fit.
     pub fn knee(&self, slots: usize) -> Option<usize> {
         let (a, b) = self.fit()?;
-        Some(knee_of(a, b, slots, KNEE_SHARE))
+        Some(knee_of(a, b, slots, KNEE_SHARE).max(FLOOR_PER_ENGINE.min(slots.max(1))))
     }
 }
 

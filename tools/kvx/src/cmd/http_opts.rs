@@ -81,8 +81,9 @@ pub(crate) struct HttpOpts {
     pub(crate) send_timeout: f64,
     /// Engine requests running at once at most; more wait in the admission queue in arrival
     /// order (0 = the engines' sequence slots with `serve`, no bound with `frontend`;
-    /// `knee` = the decoding workers' batch knees, the fewest sequences that give 90% of the
-    /// decode throughput of all their slots, measured as they run).
+    /// `knee` = the decoding workers' batch knees, the fewest sequences (at least 4 each) that
+    /// give 90% of the decode throughput of all their slots, measured as they run; their
+    /// slots until known).
     #[arg(long, env = "KVX_MAX_RUNNING", default_value = "0")]
     pub(crate) max_running: RunningBound,
     /// Prompt tokens of engine requests admitted that have not produced their first output
