@@ -200,12 +200,14 @@ fn the_router_sends_a_prefix_held_in_host_memory_to_its_holder() {
         });
         on
     };
+    // Nothing running on either shard (a finished request's counters published).
+    let idle = || wait_for("both shards idle", || running(1) == 0.0 && running(2) == 0.0);
     // A long request in the background; returns the shard it runs on.
     let addr = s.addr.clone();
     let mut seed = 0;
     let mut long = || {
         seed += 1;
-        let (addr, p) = (addr.clone(), prompt(16, 90_000 + seed));
+        let (addr, p) = (addr.clone(), prompt(64, 90_000 + seed));
         let before = [running(1), running(2)];
         let t = std::thread::spawn(move || {
             let body =
@@ -240,6 +242,7 @@ fn the_router_sends_a_prefix_held_in_host_memory_to_its_holder() {
         let holder = which(before);
         assert_ne!(holder, busy_on, "the prefix went to the idle shard");
         busy.join().unwrap();
+        idle();
         // Push it out of both pools (45 blocks each): unrelated 600-token prompts until each
         // shard has taken two.
         let start = [finished(1), finished(2)];
@@ -271,6 +274,9 @@ fn the_router_sends_a_prefix_held_in_host_memory_to_its_holder() {
         for t in jobs {
             t.join().unwrap();
         }
+        // Their counters come a moment after their responses: counted before the next
+        // `which` compares counts.
+        idle();
     }
     let loaded =
         tier(&s, "onboard_blocks_total", 1, "host") + tier(&s, "onboard_blocks_total", 2, "host");
