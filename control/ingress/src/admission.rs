@@ -83,9 +83,9 @@ pub enum RunningBound {
     /// At most this many.
     Fixed(usize),
     /// `knee`: the decoding workers' batch knees (their slots until known; each at least 4
-    /// or its slots), no fewer than a floor: under overload the engines run where their throughput is had and the rest
-    /// wait or are refused here. Closed-loop clients above the knees wait, or are refused
-    /// when their wait would be longer than the wait bound.
+    /// or its slots), no fewer than a floor: under overload the engines run where their
+    /// throughput is had and the rest wait or are refused here. Closed-loop clients above
+    /// the knees wait, or are refused when their wait would be longer than the wait bound.
     Knee,
 }
 
@@ -256,7 +256,8 @@ impl Admission {
             let gone = slots.forget_permits(less);
             self.debt.fetch_add(less - gone, Ordering::Relaxed);
             // A ticket that came back between the two saw no debt and freed its slots: take
-            // them now (debt first, then forget, would let a ticket pay what is forgotten).
+            // them now. The debt is held out while its slots are forgotten, so that no ticket
+            // pays a slot that is also forgotten; what is not free yet goes back as debt.
             let owed = take_debt(&self.debt, usize::MAX);
             let gone = slots.forget_permits(owed);
             self.debt.fetch_add(owed - gone, Ordering::Relaxed);
