@@ -296,20 +296,23 @@ impl EngineSetup {
         self.roles.get(i).copied().unwrap_or_default()
     }
 
-    /// Sequences the engines that decode can run at once: every engine's slots, or only the
-    /// decode engines' when some engines prefill for others.
-    pub fn sequence_slots(&self) -> usize {
+    /// The engines that decode: every engine, or only the decode engines when some engines
+    /// prefill for others.
+    fn decoding_engines(&self) -> usize {
         let decoders = (0..self.engines).filter(|&i| self.role(i) == WorkerRole::Decode).count();
-        let engines = if decoders > 0 { decoders } else { self.engines };
-        engines * self.limits.max_num_seqs.max(1)
+        if decoders > 0 { decoders } else { self.engines }
+    }
+
+    /// Sequences the engines that decode can run at once.
+    pub fn sequence_slots(&self) -> usize {
+        self.decoding_engines() * self.limits.max_num_seqs.max(1)
     }
 
     /// The least running bound that follows the decoding engines' batch knees:
     /// [`kvx_engine::knee::FLOOR_PER_ENGINE`] each (at most their slots).
     pub fn knee_floor(&self) -> usize {
-        let decoders = (0..self.engines).filter(|&i| self.role(i) == WorkerRole::Decode).count();
-        let engines = if decoders > 0 { decoders } else { self.engines };
-        engines * kvx_engine::knee::FLOOR_PER_ENGINE.min(self.limits.max_num_seqs.max(1))
+        self.decoding_engines()
+            * kvx_engine::knee::FLOOR_PER_ENGINE.min(self.limits.max_num_seqs.max(1))
     }
 
     /// Whether any engine takes part in disaggregated serving.
@@ -821,8 +824,13 @@ mod tests {
         s.engines = 3;
         s.limits.max_num_seqs = 8;
         assert_eq!(s.sequence_slots(), 24);
+        assert_eq!(s.knee_floor(), 12);
         s.roles = vec![WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode];
         assert_eq!(s.sequence_slots(), 16);
+        assert_eq!(s.knee_floor(), 8);
+        // The floor is at most an engine's slots.
+        s.limits.max_num_seqs = 2;
+        assert_eq!(s.knee_floor(), 4);
     }
 
     #[test]
