@@ -68,6 +68,13 @@ def main():
             rows.append((f"pp512 tok/s, {t} thread(s)", med(kpp), med(lpp), r_pp, None, "", runs_pp))
         rows.append((f"tg128 tok/s, {t} thread(s)", med(ktg), med(ltg), r_tg, 1.5, verdict(r_tg, 1.5), runs_tg))
 
+    # kvx serve's one stream: its decode rate, 1000 / mean time per output token (ms).
+    one = []
+    for r in range(1, runs + 1):
+        doc = load(f"{out}/kvx_serve_one.{r}.json")
+        run = (doc or {}).get("runs", [{}])[0] if doc else {}
+        tpot = ((run.get("latency_ms") or {}).get("tpot") or {}).get("mean")
+        one.append(1000.0 / tpot if tpot else None)
     ks, ls = [], []
     for r in range(1, runs + 1):
         for side, acc in (("kvx_serve", ks), ("llama_serve", ls)):
@@ -91,6 +98,10 @@ def main():
         r_tps = ratio(k_tps, l_tps)
         rows.append(("serve 16 streams, output tok/s", k_tps, l_tps, r_tps, 5.0, verdict(r_tps, 5.0),
                      [ratio(a["tps"], b["tps"]) for a, b in zip(ks, ls)]))
+        if any(one):
+            r_one = ratio(k_tps, med(one))
+            rows.append(("kvx serve 16 streams / 1 stream's decode, tok/s", k_tps, med(one), r_one, 4.0,
+                         verdict(r_one, 4.0), [ratio(a["tps"], b) for a, b in zip(ks, one)]))
         k_ttft, l_ttft = med([x["ttft"] for x in ks]), med([x["ttft"] for x in ls])
         r_ttft = ratio(k_ttft, l_ttft)
         rows.append(("serve TTFT p50 ms (lower wins)", k_ttft, l_ttft, r_ttft, 1.0,
@@ -109,6 +120,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name, k, l, r, target, v, per in rows:
         tgt = "" if target is None else (f">= {target:g}x" if "TTFT" not in name else "< 1x")
+        # The scaling row's columns are kvx's 16 streams and kvx's one stream.
         per_s = " ".join(fmt(p, "x") if p is not None else "-" for p in per)
         print(f"| {name} | {fmt(k)} | {fmt(l)} | {fmt(r, 'x')} | {tgt} | {v} | {per_s} |")
     print(f"\nmedians of {runs} alternating runs; raw results in {os.path.abspath(out)}")

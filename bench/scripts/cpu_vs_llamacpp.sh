@@ -4,7 +4,9 @@
 #     (`kvx bench engine` vs `llama-bench`);
 #  2. serving: 16 concurrent streams, 130-token prompts, 128 output tokens (ignore_eos),
 #     `kvx serve` vs `llama-server --parallel 16 --cont-batching`, both driven by `kvx bench`
-#     with the same workload; output tokens/s, TTFT p50 and the servers' peak RSS (VmHWM).
+#     with the same workload; output tokens/s, TTFT p50 and the servers' peak RSS (VmHWM);
+#     and kvx serve's 16 streams against one stream on the same server (its decode rate,
+#     1 / mean time per output token), the scaling ratio.
 # Prints the ratio table (kvx / llama.cpp) against the targets.
 #
 # The peer is llama.cpp as vendored in the llama-cpp-python sdist from PyPI, built once
@@ -13,7 +15,7 @@
 # Usage: bench/scripts/cpu_vs_llamacpp.sh [runs]
 #   env: KVX (default target/release/kvx), MODEL (GGUF; default the catalogue's default
 #   model), PEER_DIR (default .kvx/peer), THREADS (default "1 2"), SKIP_ENGINE=1,
-#   SKIP_SERVE=1, SERVE_REQUESTS (default 64), SHARDS (kvx serve engine shards, default one
+#   SKIP_SERVE=1, SERVE_REQUESTS (default 64), ONE_REQUESTS (one stream's; default 6), SHARDS (kvx serve engine shards, default one
 #   per core), KV_BYTES (KV budget per shard, default 134217728), LLAMA_CTX (llama-server
 #   context, default 8192), PORT_BASE (default 18470), OUT_DIR (raw results; default
 #   .kvx/cpu_vs_llamacpp/<time>).
@@ -24,6 +26,7 @@ KVX=${KVX:-target/release/kvx}
 PEER_DIR=${PEER_DIR:-.kvx/peer}
 THREADS=${THREADS:-"1 2"}
 SERVE_REQUESTS=${SERVE_REQUESTS:-64}
+ONE_REQUESTS=${ONE_REQUESTS:-6}
 SHARDS=${SHARDS:-$(nproc)}
 KV_BYTES=${KV_BYTES:-134217728}
 LLAMA_CTX=${LLAMA_CTX:-8192}
@@ -34,9 +37,24 @@ here=$(dirname "$0")
 [ -x "$KVX" ] || { echo "no kvx binary at $KVX (cargo build --release -p kvx)" >&2; exit 1; }
 MODEL=${MODEL:-$("$KVX" model path)}
 
+# A native build that faults on this CPU (a VM that advertises AMX but faults on `ldtilecfg`,
+# as some KVM guests do) is rebuilt in $PEER_DIR/build-noamx with the AMX extensions off.
+peer_runs() { # bin dir
+  [ -x "$1/llama-bench" ] && [ -x "$1/llama-server" ] &&
+    "$1/llama-bench" -m "$MODEL" -t 1 -p 8 -n 0 -r 1 > /dev/null 2>&1
+}
+peer_build() { # build dir, extra cmake args...
+  local dir=$1
+  shift
+  cmake -S "$PEER_DIR/src/vendor/llama.cpp" -B "$dir" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF "$@" >&2
+  nice cmake --build "$dir" --target llama-bench llama-server -j"$(nproc)" >&2
+}
 build_peer() {
-  local bin="$PEER_DIR/build/bin"
-  if [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-server" ]; then return; fi
+  PEER_BIN="$PEER_DIR/build/bin"
+  if peer_runs "$PEER_BIN"; then return; fi
+  if peer_runs "$PEER_DIR/build-noamx/bin"; then PEER_BIN="$PEER_DIR/build-noamx/bin"; return; fi
   mkdir -p "$PEER_DIR"
   if [ ! -d "$PEER_DIR/src/vendor/llama.cpp" ]; then
     echo "fetching llama-cpp-python==$LLAMA_CPP_PYTHON (sdist) ..." >&2
@@ -46,15 +64,21 @@ build_peer() {
     tar xzf "$PEER_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$PEER_DIR"
     mv "$PEER_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON" "$PEER_DIR/src"
   fi
-  echo "building llama-bench and llama-server (Release, GGML_NATIVE=ON) ..." >&2
-  cmake -S "$PEER_DIR/src/vendor/llama.cpp" -B "$PEER_DIR/build" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >&2
-  nice cmake --build "$PEER_DIR/build" --target llama-bench llama-server -j"$(nproc)" >&2
+  if [ ! -x "$PEER_BIN/llama-bench" ] || [ ! -x "$PEER_BIN/llama-server" ]; then
+    echo "building llama-bench and llama-server (Release, GGML_NATIVE=ON) ..." >&2
+    peer_build "$PEER_DIR/build"
+    if peer_runs "$PEER_BIN"; then return; fi
+  fi
+  local off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  echo "the native build faults on this CPU; rebuilding with AMX off ($off) ..." >&2
+  peer_build "$PEER_DIR/build-noamx" -DCMAKE_C_FLAGS="$off" -DCMAKE_CXX_FLAGS="$off"
+  PEER_BIN="$PEER_DIR/build-noamx/bin"
+  peer_runs "$PEER_BIN" || { echo "llama.cpp does not run on this CPU" >&2; exit 1; }
 }
 build_peer
-LLAMA_BENCH="$PEER_DIR/build/bin/llama-bench"
-LLAMA_SERVER="$PEER_DIR/build/bin/llama-server"
+echo "peer: $PEER_BIN" >&2
+LLAMA_BENCH="$PEER_BIN/llama-bench"
+LLAMA_SERVER="$PEER_BIN/llama-server"
 
 out=${OUT_DIR:-.kvx/cpu_vs_llamacpp/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
@@ -80,7 +104,14 @@ if [ -z "${SKIP_ENGINE:-}" ]; then
 fi
 
 # ---- 2. serving: 16 streams, alternating kvx serve and llama-server --------------------------
-# Waits for the server, drives it, records its peak RSS, stops it.
+# One stream first (kvx only: its decode rate is the base of the 16-stream scaling ratio), then
+# 16 streams; records the server's peak RSS and stops it.
+drive_one() { # name port json
+  "$KVX" bench --url "http://127.0.0.1:$2" --api completions --tokenizer "$MODEL" \
+    --workload synthetic --input-tokens 130 --output-tokens 128 --ignore-eos \
+    --concurrency 1 --requests "$ONE_REQUESTS" --warmup 1 --wait-ready 120 \
+    --extra-body '{"temperature":0}' -q --json "$3" > "$out/$1.one.bench.log" 2>&1
+}
 drive() { # name port json
   "$KVX" bench --url "http://127.0.0.1:$2" --api completions --tokenizer "$MODEL" \
     --workload synthetic --input-tokens 130 --output-tokens 128 --ignore-eos \
@@ -98,6 +129,7 @@ if [ -z "${SKIP_SERVE:-}" ]; then
     "$KVX" serve --model "$MODEL" --port "$port" --shards "$SHARDS" --kv-cache-bytes "$KV_BYTES" \
       > "$out/kvx_serve.$r.log" 2>&1 &
     server_pid=$!
+    drive_one kvx_serve "$port" "$out/kvx_serve_one.$r.json"
     drive kvx_serve "$port" "$out/kvx_serve.$r.json"
     echo "serving run $r: llama-server ..." >&2
     port=$((PORT_BASE + 2 * r + 1))

@@ -116,6 +116,19 @@ pub struct Outcome {
     pub error: Option<ErrorClass>,
     /// Whether the request was sent a second time (its connection closed unanswered).
     pub resent: bool,
+    /// The wait a shedding server asked for (`Retry-After` in seconds on a 429 or 503),
+    /// at most [`MAX_RETRY_AFTER`].
+    pub retry_after: Option<Duration>,
+}
+
+/// The longest `Retry-After` honoured; a larger one is read as this.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// A `Retry-After` header's delay in seconds (the HTTP-date form is not used by servers that
+/// shed load, and is read as absent), at most [`MAX_RETRY_AFTER`].
+fn retry_after(v: &HeaderValue) -> Option<Duration> {
+    let secs: u64 = v.to_str().ok()?.trim().parse().ok()?;
+    Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER))
 }
 
 /// A client for one endpoint. Cheap to share behind an `Arc`; all callers share the pool.
@@ -250,6 +263,7 @@ impl Client {
             usage: st.usage,
             error,
             resent: st.resent,
+            retry_after: st.retry_after,
         }
     }
 
@@ -289,8 +303,11 @@ impl Client {
         let status = resp.status();
         if !status.is_success() {
             let code = status.as_u16();
-            let shed =
-                matches!(code, 429 | 503) && resp.headers().contains_key(http::header::RETRY_AFTER);
+            let after = resp.headers().get(http::header::RETRY_AFTER);
+            let shed = matches!(code, 429 | 503) && after.is_some();
+            if shed {
+                st.retry_after = after.and_then(retry_after);
+            }
             return Err(if shed { ErrorClass::Shed(code) } else { ErrorClass::Http(code) });
         }
         let mut body = resp.into_body();
@@ -347,6 +364,7 @@ struct StreamState {
     finished: bool,
     bad: bool,
     resent: bool,
+    retry_after: Option<Duration>,
 }
 
 impl StreamState {
@@ -359,6 +377,7 @@ impl StreamState {
             done: false,
             finished: false,
             bad: false,
+            retry_after: None,
             resent: false,
         }
     }
@@ -479,6 +498,16 @@ pub fn resolve_uris(url: &str, default_path: &str) -> Result<(Uri, Uri), BenchEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_after_is_read_in_seconds_and_capped() {
+        let v = |s: &'static str| retry_after(&HeaderValue::from_static(s));
+        assert_eq!(v("7"), Some(Duration::from_secs(7)));
+        assert_eq!(v(" 0 "), Some(Duration::ZERO));
+        assert_eq!(v("86400"), Some(MAX_RETRY_AFTER));
+        assert_eq!(v("Wed, 21 Oct 2015 07:28:00 GMT"), None);
+        assert_eq!(v("-1"), None);
+    }
 
     #[test]
     fn urls_resolve_to_api_paths() {

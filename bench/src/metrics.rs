@@ -327,6 +327,7 @@ mod tests {
             usage: None,
             error: None,
             resent: false,
+            retry_after: None,
         }
     }
 

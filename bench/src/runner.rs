@@ -621,7 +621,17 @@ async fn run_conversation(
             class: None,
         });
         if outcome.error.is_some() {
-            // A failed turn ends its session: later turns would lack the answer.
+            // A failed turn ends its session: later turns would lack the answer. A request the
+            // server shed with `Retry-After` holds its closed-loop stream that long before the
+            // next (as client SDKs do; a stream that resent at once would only add refusals);
+            // open-loop arrivals keep their schedule. The level's end cuts the wait short.
+            if lag.is_none()
+                && let Some(wait) = outcome.retry_after
+            {
+                let until = Instant::now() + wait;
+                let until = st.deadline.map_or(until, |d| d.min(until));
+                tokio::time::sleep_until(until.into()).await;
+            }
             return true;
         }
         if multi && k + 1 < conv.turns.len() {

@@ -226,6 +226,25 @@ fn failures_are_counted_by_class() {
 }
 
 #[test]
+fn a_closed_loop_stream_waits_as_long_as_a_shedding_server_asks() {
+    // Every request is shed with `Retry-After: 1`: over 2.5 s each of 2 streams sends at about
+    // 0, 1 and 2 s. A stream that resent at once would send thousands.
+    let fixture = Fixture::start(FixtureConfig { shed_retry_after: Some(1), ..Default::default() });
+    let mut cfg = config(&fixture.url());
+    cfg.endpoint.model = Some("m".into());
+    cfg.load = LoadConfig::Closed { concurrency: vec![2] };
+    cfg.duration = Some(Duration::from_millis(2500));
+    let t0 = std::time::Instant::now();
+    let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
+    let took = t0.elapsed();
+    assert_eq!(r.requests.completed, 0);
+    assert_eq!(r.errors.get("shed_429"), Some(&r.requests.failed));
+    assert!((4..=6).contains(&fixture.requests()), "{} requests", fixture.requests());
+    // The level's end cuts the last wait short.
+    assert!(took < Duration::from_millis(3400), "{took:?}");
+}
+
+#[test]
 fn completions_api_without_streaming_counts_with_the_tokenizer() {
     let fixture = Fixture::start(FixtureConfig::default());
     let mut cfg = config(&fixture.url());

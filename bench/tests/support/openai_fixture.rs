@@ -47,6 +47,8 @@ pub struct FixtureConfig {
     pub itl: Duration,
     /// Answer every Nth request with 503.
     pub fail_every: Option<u64>,
+    /// Shed every request: 429 with `Retry-After` of this many seconds.
+    pub shed_retry_after: Option<u64>,
     /// Close each connection at its Nth POST instead of answering it, as a server that caps
     /// the requests of a kept-alive connection does when the client reuses it once more.
     pub close_at: Option<u64>,
@@ -64,6 +66,7 @@ impl Default for FixtureConfig {
             per_uncached_token: Duration::ZERO,
             itl: Duration::ZERO,
             fail_every: None,
+            shed_retry_after: None,
             close_at: None,
             usage_only_when_asked: true,
         }
@@ -316,6 +319,15 @@ async fn handle(
             r#"{"error":{"message":"json"}}"#,
         ));
     };
+    if let Some(secs) = state.cfg.shed_retry_after {
+        let mut resp = full(
+            StatusCode::TOO_MANY_REQUESTS,
+            "application/json",
+            r#"{"error":{"message":"overloaded"}}"#,
+        );
+        resp.headers_mut().insert(hyper::header::RETRY_AFTER, secs.into());
+        return Ok(resp);
+    }
     if state.cfg.fail_every.is_some_and(|k| k > 0 && n.is_multiple_of(k)) {
         return Ok(full(
             StatusCode::SERVICE_UNAVAILABLE,
