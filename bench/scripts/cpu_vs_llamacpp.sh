@@ -52,9 +52,10 @@ peer_build() { # build dir, extra cmake args...
   nice cmake --build "$dir" --target llama-bench llama-server -j"$(nproc)" >&2
 }
 build_peer() {
+  PEER_BIN="$PEER_DIR/build-noamx/bin"
+  if peer_runs "$PEER_BIN"; then return; fi
   PEER_BIN="$PEER_DIR/build/bin"
   if peer_runs "$PEER_BIN"; then return; fi
-  if peer_runs "$PEER_DIR/build-noamx/bin"; then PEER_BIN="$PEER_DIR/build-noamx/bin"; return; fi
   mkdir -p "$PEER_DIR"
   if [ ! -d "$PEER_DIR/src/vendor/llama.cpp" ]; then
     echo "fetching llama-cpp-python==$LLAMA_CPP_PYTHON (sdist) ..." >&2
