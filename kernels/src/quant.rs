@@ -135,6 +135,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Q
         Q4_0 => dequantize_q4_0(cast_blocks(src).ok_or(bad("misaligned"))?, out),
         Q4_1 => dequantize_q4_1(cast_blocks(src).ok_or(bad("misaligned"))?, out),
         Q8_0 => dequantize_q8_0(cast_blocks(src).ok_or(bad("misaligned"))?, out),
+        Q8_1 => dequantize_q8_1(cast_blocks(src).ok_or(bad("misaligned"))?, out),
         other => return crate::quant_k::dequantize_row(other, src, out),
     }
     Ok(())

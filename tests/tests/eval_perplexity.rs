@@ -92,6 +92,11 @@ fn perplexity_matches_llama_perplexity() {
             .abs()
             < 1e-5
     );
+    // `split` through the binary: its own name, a small distance from exact's rows.
+    let split = run(&["--kl-divergence", base, "--arith", "split"]);
+    assert_eq!(split["arith"].as_str(), Some("split"), "{split}");
+    let kld = split["kld_mean"].as_f64().expect("kld");
+    assert!(kld > 0.0 && kld < 0.01 && split["top1"].as_f64().expect("top1") > 0.9, "{split}");
     let one = run(&["--chunks", "1"]);
     assert_eq!(one["chunks"], 1);
     let out = kvx(&[

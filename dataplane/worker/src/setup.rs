@@ -429,6 +429,7 @@ impl EngineSetup {
                         .map_err(|e| model_err("repacking", path, e))?;
                     tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
                 }
+                model.split_qkv = self.arith.split_qkv();
                 let sched = self.limits.sched(model.cfg.context_length);
                 let budget =
                     self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);

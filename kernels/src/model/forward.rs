@@ -12,7 +12,7 @@ use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::cpu::disjoint::{DisjointBytes, DisjointOut};
 use crate::ops::{
-    self, AttnMode, AttnScratch, activation_bytes, attention_group, matmul, matmul_many,
+    self, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_group, matmul, matmul_many,
     quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
@@ -79,6 +79,17 @@ pub struct Scratch {
     per_thread: Vec<Mutex<AttnScratch>>,
     /// Attention: where each thread's (token, head) pairs start, and the end.
     attn_bounds: Vec<usize>,
+    /// The second part of split Q/K/V activations ([`LlamaModel::split_qkv`]); empty without.
+    split: SplitScratch,
+}
+
+/// Buffers of the split Q/K/V product: the input's residual after its quantization, the
+/// residual quantized, and the product of the residual (Q, K, V one after another).
+#[derive(Default)]
+struct SplitScratch {
+    resid: Vec<f32>,
+    act: Vec<u32>,
+    out: Vec<f32>,
 }
 
 impl std::fmt::Debug for Scratch {
@@ -126,6 +137,15 @@ impl Scratch {
                 .map(|_| Mutex::new(AttnScratch::new(c.head_dim, max_ctx)))
                 .collect(),
             attn_bounds: Vec::with_capacity(n_threads.max(1) + 1),
+            split: if model.split_qkv {
+                SplitScratch {
+                    resid: vec![0.0; t * c.n_embd],
+                    act: vec![0; act_bytes.div_ceil(4)],
+                    out: vec![0.0; t * (c.q_dim() + 2 * c.kv_dim())],
+                }
+            } else {
+                SplitScratch::default()
+            },
         }
     }
 
@@ -281,6 +301,18 @@ impl LlamaModel {
                     len = quantize_activations(k, wv.act_ty(), &s.xn[..n * d], d, act)?.len();
                 }
                 matmul(k, pool, &wv, &act[..len], n, &mut s.v[..n * kvd])?;
+            }
+            if self.split_qkv && wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
+                split_qkv(
+                    k,
+                    pool,
+                    [&wq, &wk, &wv],
+                    &s.xn[..n * d],
+                    &act[..len],
+                    &mut s.split,
+                    n,
+                    [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]],
+                )?;
             }
             add_bias(&mut s.q[..n * qd], l.bq.as_deref());
             add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
@@ -551,6 +583,50 @@ fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) +
 
 /// [`quantize_activations`] with the rows split over the pool (row by row, the same bits);
 /// returns the bytes used at the front of `out`.
+/// The second half of the split Q/K/V product ([`LlamaModel::split_qkv`]): `x` less its
+/// quantization `act` (a row of activation blocks per token), quantized in turn, times the
+/// three matrices, added to their products of `act` in `outs`. Matrices whose activation
+/// type has no dequantizer keep their single product.
+#[allow(clippy::too_many_arguments)]
+fn split_qkv(
+    k: &Kernels,
+    pool: &ThreadPool,
+    ws: [&QMatrix<'_>; 3],
+    x: &[f32],
+    act: &[u8],
+    sp: &mut SplitScratch,
+    n: usize,
+    outs: [&mut [f32]; 3],
+) -> Result<(), ModelError> {
+    let ty = ws[0].act_ty();
+    let cols = x.len().checked_div(n).unwrap_or(0);
+    let Some(row) = activation_bytes(ty, cols, 1) else { return Ok(()) };
+    let widths = outs.each_ref().map(|o| o.len());
+    let total: usize = widths.iter().sum();
+    if n == 0 || act.len() < n * row || sp.resid.len() < x.len() || sp.out.len() < total {
+        return Ok(());
+    }
+    for (t, r) in sp.resid[..x.len()].chunks_exact_mut(cols).enumerate() {
+        if crate::quant::dequantize_row(ty, &act[t * row..(t + 1) * row], r).is_err() {
+            return Ok(());
+        }
+        for (r, x) in r.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
+            *r = x - *r;
+        }
+    }
+    let act2 = bytemuck::cast_slice_mut::<u32, u8>(&mut sp.act);
+    let len = quantize_par(k, pool, ty, &sp.resid[..x.len()], cols, act2)?;
+    let (a, rest) = sp.out[..total].split_at_mut(widths[0]);
+    let (b, c) = rest.split_at_mut(widths[1]);
+    matmul_many(k, pool, ws, &act2[..len], n, [&mut *a, &mut *b, &mut *c])?;
+    for (o, p) in outs.into_iter().zip([&*a, &*b, &*c]) {
+        for (o, p) in o.iter_mut().zip(p) {
+            *o += p;
+        }
+    }
+    Ok(())
+}
+
 fn quantize_par(
     k: &Kernels,
     pool: &ThreadPool,

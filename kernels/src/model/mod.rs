@@ -30,6 +30,11 @@ pub enum Arith {
     /// As `Exact`, with the quantized products rounded once per block and row
     /// ([`LaneMath::Fast`]) where the CPU has row-lane kernels.
     Fast,
+    /// As `Fast`, with the Q/K/V products' input quantized in two parts
+    /// ([`LlamaModel::split_qkv`]): those products (16 % of a token's multiply-adds) cost
+    /// twice, and the quantization of their input — a quarter of `Exact`'s distance to
+    /// `Reference` — nearly leaves it.
+    Split,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
     Reference,
@@ -41,12 +46,13 @@ impl Arith {
         match self {
             Arith::Exact => "exact",
             Arith::Fast => "fast",
+            Arith::Split => "split",
             Arith::Reference => "reference",
         }
     }
 
     /// Every arithmetic.
-    pub const ALL: [Arith; 3] = [Arith::Exact, Arith::Fast, Arith::Reference];
+    pub const ALL: [Arith; 4] = [Arith::Exact, Arith::Fast, Arith::Split, Arith::Reference];
 
     /// The arithmetic of `name` ([`Arith::name`]).
     pub fn from_name(name: &str) -> Option<Arith> {
@@ -58,9 +64,14 @@ impl Arith {
     pub fn lane_math(self) -> Option<LaneMath> {
         match self {
             Arith::Exact => Some(LaneMath::Exact),
-            Arith::Fast => Some(LaneMath::Fast),
+            Arith::Fast | Arith::Split => Some(LaneMath::Fast),
             Arith::Reference => None,
         }
+    }
+
+    /// Whether the Q/K/V products take their input in two parts ([`LlamaModel::split_qkv`]).
+    pub fn split_qkv(self) -> bool {
+        self == Arith::Split
     }
 }
 

@@ -93,6 +93,11 @@ pub struct LlamaModel {
     /// The output head's fast screen for greedy rows ([`crate::greedy`]), once
     /// [`LlamaModel::repack`] gave the head an exact row-lane copy.
     head_screen: Option<HeadScreen>,
+    /// Whether the Q/K/V products take their input in two quantized parts (the input, then
+    /// what its quantization left out), nearly the f32 input's product at twice those
+    /// products' cost: set by [`Arith::Split`](super::Arith::Split) before any
+    /// [`Scratch`](super::Scratch) is made for the model.
+    pub split_qkv: bool,
 }
 
 impl LlamaModel {
@@ -146,6 +151,7 @@ impl LlamaModel {
             rope_freqs,
             layers,
             head_screen: None,
+            split_qkv: false,
         };
         // Every matrix must be viewable: this checks types, sizes and alignment once.
         model.view(&model.tok_embd)?;

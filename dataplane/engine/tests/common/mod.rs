@@ -10,18 +10,25 @@ use kvx_engine::{Engine, EngineConfig, ModelBackend};
 use kvx_kernels::cpu;
 use kvx_kernels::cpu::lanes::LaneMath;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::LlamaModel;
+use kvx_kernels::model::{Arith, LlamaModel};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 
 /// The model, repacked for the row-lane kernels as `kvx` loads it by default.
 pub fn model() -> Arc<LlamaModel> {
+    model_in(Arith::Exact)
+}
+
+/// The model as `kvx --arith ARITH` loads it (not the reference arithmetic's backend).
+pub fn model_in(arith: Arith) -> Arc<LlamaModel> {
     let path = std::env::var_os("KVX_TEST_MODEL").expect(
         "KVX_TEST_MODEL is not set (path to the default GGUF); run through `cargo xtask test`",
     );
     let mut model =
         LlamaModel::load(Arc::new(GgufFile::open(path).expect("open model"))).expect("load model");
-    model.repack(cpu::kernels(), LaneMath::Exact).expect("repack");
+    let math = arith.lane_math().unwrap_or(LaneMath::Exact);
+    model.repack(cpu::kernels(), math).expect("repack");
+    model.split_qkv = arith.split_qkv();
     Arc::new(model)
 }
 

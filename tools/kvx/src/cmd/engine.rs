@@ -11,7 +11,7 @@ use kvx_worker::{Arith, EngineKind, EngineLimits, EngineSetup, TierSetup};
 use super::Runtime;
 
 fn parse_arith(s: &str) -> Result<Arith, String> {
-    Arith::from_name(s).ok_or_else(|| format!("{s:?} is not one of exact, fast, reference"))
+    Arith::from_name(s).ok_or_else(|| format!("{s:?} is not one of exact, fast, split, reference"))
 }
 
 #[derive(Debug, Clone, Args)]
@@ -46,7 +46,9 @@ pub(crate) struct EngineOpts {
     pub(crate) no_prefix_caching: bool,
     /// The arithmetic: `exact` (ggml's association: llama.cpp's logits bit for bit), `fast`
     /// (quantized products rounded once per block and row: about twice the arithmetic rate
-    /// on AVX-512; logits within rounding of `exact`'s) or `reference` (the model's own math
+    /// on AVX-512; logits within rounding of `exact`'s), `split` (`fast` with the Q/K/V
+    /// products' input quantized in two parts: nearer the reference than `exact`) or
+    /// `reference` (the model's own math
     /// on its quantized weights: f32 activations and cache, f64 sums; slow, the base that
     /// `kvx eval perplexity --kl-divergence` measures the others against).
     #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "exact")]
