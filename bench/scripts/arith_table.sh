@@ -8,7 +8,7 @@
 # Usage: bench/scripts/arith_table.sh [runs]
 #   KVX=path/to/kvx  TEXT=file (default: the GPL-3, GFDL-1.3 and Apache-2.0 texts of
 #   Debian's base-files, one after the other: 7,395 scored tokens at CTX 512)
-#   CTX=512 CHUNKS=100 (windows scored at most)  THREADS=2  ARITHS="exact fast"
+#   CTX=512 CHUNKS=100 (windows scored at most)  THREADS=2  ARITHS="exact fast split"
 #   BASE=file: a reference base saved earlier (`kvx eval perplexity --arith reference
 #   --save-logits file` over the same text, window and chunks) instead of a new pass
 set -euo pipefail
@@ -18,7 +18,7 @@ RUNS=${1:-3}
 CTX=${CTX:-512}
 CHUNKS=${CHUNKS:-100}
 THREADS=${THREADS:-2}
-ARITHS=${ARITHS:-exact fast}
+ARITHS=${ARITHS:-exact fast split}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 if [ -z "${TEXT:-}" ]; then
