@@ -39,9 +39,9 @@ MODEL=${MODEL:-$("$KVX" model path)}
 
 # A native build that faults on this CPU (a VM that advertises AMX but faults on `ldtilecfg`,
 # as some KVM guests do) is rebuilt in $PEER_DIR/build-noamx with the AMX extensions off.
-peer_runs() { # bin dir
-  [ -x "$1/llama-bench" ] && [ -x "$1/llama-server" ] &&
-    "$1/llama-bench" -m "$MODEL" -t 1 -p 8 -n 0 -r 1 > /dev/null 2>&1
+peer_runs() { # bin dir; fails with >= 128 when the probe died of a signal
+  [ -x "$1/llama-bench" ] && [ -x "$1/llama-server" ] || return 1
+  "$1/llama-bench" -m "$MODEL" -t 1 -p 8 -n 0 -r 1 > /dev/null 2>&1
 }
 peer_build() { # build dir, extra cmake args...
   local dir=$1
@@ -65,10 +65,16 @@ build_peer() {
     tar xzf "$PEER_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$PEER_DIR"
     mv "$PEER_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON" "$PEER_DIR/src"
   fi
+  local rc=0
   if [ ! -x "$PEER_BIN/llama-bench" ] || [ ! -x "$PEER_BIN/llama-server" ]; then
     echo "building llama-bench and llama-server (Release, GGML_NATIVE=ON) ..." >&2
     peer_build "$PEER_DIR/build"
-    if peer_runs "$PEER_BIN"; then return; fi
+    peer_runs "$PEER_BIN" && return
+  fi
+  peer_runs "$PEER_BIN" || rc=$?
+  if [ "$rc" -lt 128 ]; then
+    echo "llama-bench fails on $MODEL (exit $rc), not by a fault of the build" >&2
+    exit 1
   fi
   local off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   echo "the native build faults on this CPU; rebuilding with AMX off ($off) ..." >&2
@@ -105,12 +111,13 @@ if [ -z "${SKIP_ENGINE:-}" ]; then
 fi
 
 # ---- 2. serving: 16 streams, alternating kvx serve and llama-server --------------------------
-# One stream first (kvx only: its decode rate is the base of the 16-stream scaling ratio), then
-# 16 streams; records the server's peak RSS and stops it.
+# One stream first (kvx only: its decode rate is the base of the 16-stream scaling ratio; other
+# prompts than the 16 streams', so that they find nothing in the prefix cache), then 16
+# streams; records the server's peak RSS and stops it.
 drive_one() { # name port json
   "$KVX" bench --url "http://127.0.0.1:$2" --api completions --tokenizer "$MODEL" \
     --workload synthetic --input-tokens 130 --output-tokens 128 --ignore-eos \
-    --concurrency 1 --requests "$ONE_REQUESTS" --warmup 1 --wait-ready 120 \
+    --concurrency 1 --requests "$ONE_REQUESTS" --warmup 1 --wait-ready 120 --seed 1 \
     --extra-body '{"temperature":0}' -q --json "$3" > "$out/$1.one.bench.log" 2>&1
 }
 drive() { # name port json

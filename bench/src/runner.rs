@@ -624,8 +624,11 @@ async fn run_conversation(
             // A failed turn ends its session: later turns would lack the answer. A request the
             // server shed with `Retry-After` holds its closed-loop stream that long before the
             // next (as client SDKs do; a stream that resent at once would only add refusals);
-            // open-loop arrivals keep their schedule. The level's end cuts the wait short.
+            // open-loop arrivals keep their schedule, and the warm-up (no deadline) does not
+            // wait. The level's end cuts the wait short; a used-up level does not wait.
             if lag.is_none()
+                && matches!(which, Which::Measured)
+                && !st.exhausted()
                 && let Some(wait) = outcome.retry_after
             {
                 let until = Instant::now() + wait;

@@ -57,6 +57,7 @@ pub(crate) fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Resul
     match ty {
         GgmlType::Q4_K => dequantize_q4_k(cast_blocks(src).ok_or(bad)?, out),
         GgmlType::Q6_K => dequantize_q6_k(cast_blocks(src).ok_or(bad)?, out),
+        GgmlType::Q8_K => dequantize_q8_k(cast_blocks(src).ok_or(bad)?, out),
         GgmlType::BF16 => {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
@@ -330,6 +331,10 @@ mod tests {
         dequantize_q8_k(&q8, &mut y);
         let err8 = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(err8 < 0.01, "q8_k max error {err8}");
+        // The row dequantizer (the split Q/K/V product's) gives the same values.
+        let mut z = vec![0.0; y.len()];
+        crate::quant::dequantize_row(GgmlType::Q8_K, bytemuck::cast_slice(&q8), &mut z).unwrap();
+        assert_eq!(y, z);
         for b in &q8 {
             for (s, q) in b.bsums.iter().zip(b.qs.chunks(16)) {
                 assert_eq!(i32::from(*s), q.iter().map(|&v| i32::from(v)).sum::<i32>());

@@ -349,11 +349,11 @@ fn prometheus_reads_what_kvx_bench_measured_and_every_panel_has_data() {
          4 streams"
     );
     // The request rate over the bench's own duration, from the counter as scraped after the
-    // run: every series of it is born during the run (its labels are endpoint and status), so
-    // the scraped value is the run's count. Not `rate()` over the window: with 5 s scrapes its
-    // extrapolation at a window's ends (a series born mid-window, a late scrape on a busy
-    // machine) misses up to a scrape interval of 40 s — 0.85 was seen on a 2-core machine.
-    // The two refused requests above are status 400 and 404, left out.
+    // run: its 200 series was at zero before the bench (the server sends nothing else a 200;
+    // a stream counts when it ends), so the scraped value is the run's count. Not `rate()`
+    // over the window: with 5 s scrapes its extrapolation at the window's ends (a late scrape
+    // on a busy machine) misses up to a scrape interval of 40 s — 0.85 was seen on a 2-core
+    // machine. The two refused requests above are status 400 and 404, left out.
     let dur = run["duration_s"].as_f64().expect("duration_s");
     let served_ok = prom.scalar("sum(kvx_requests_total{job=\"kvx\",status=\"200\"})", at);
     let rps = served_ok / dur;

@@ -186,6 +186,7 @@ fn the_reference_arithmetic_is_close_to_the_kernels_batch_invariant_and_measured
 #[test]
 fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact() {
     let (exact_m, split_m) = (model(), common::model_in(Arith::Split));
+    assert!(split_m.can_split_qkv());
     let tok = common::tokenizer();
     let p: Vec<u32> = tok
         .encode("The capital of France is Paris, and the capital of Italy is", true)

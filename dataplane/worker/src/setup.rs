@@ -430,6 +430,13 @@ impl EngineSetup {
                     tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
                 }
                 model.split_qkv = self.arith.split_qkv();
+                if model.split_qkv && !model.can_split_qkv() {
+                    return Err(SetupError::Invalid(format!(
+                        "--arith split: the Q/K/V products of {} do not share one activation \
+                         type that kvx can dequantize",
+                        path.display()
+                    )));
+                }
                 let sched = self.limits.sched(model.cfg.context_length);
                 let budget =
                     self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);

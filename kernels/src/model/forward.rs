@@ -138,9 +138,16 @@ impl Scratch {
                 .collect(),
             attn_bounds: Vec::with_capacity(n_threads.max(1) + 1),
             split: if model.split_qkv {
+                let qkv_act = model
+                    .layers
+                    .iter()
+                    .filter_map(|l| crate::quant::vec_dot_type(l.wq.ty()))
+                    .filter_map(|a| activation_bytes(a, c.n_embd, t))
+                    .max()
+                    .unwrap_or(0);
                 SplitScratch {
                     resid: vec![0.0; t * c.n_embd],
-                    act: vec![0; act_bytes.div_ceil(4)],
+                    act: vec![0; qkv_act.div_ceil(4)],
                     out: vec![0.0; t * (c.q_dim() + 2 * c.kv_dim())],
                 }
             } else {
@@ -581,12 +588,11 @@ fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) +
     }
 }
 
-/// [`quantize_activations`] with the rows split over the pool (row by row, the same bits);
-/// returns the bytes used at the front of `out`.
 /// The second half of the split Q/K/V product ([`LlamaModel::split_qkv`]): `x` less its
 /// quantization `act` (a row of activation blocks per token), quantized in turn, times the
-/// three matrices, added to their products of `act` in `outs`. Matrices whose activation
-/// type has no dequantizer keep their single product.
+/// three matrices, added to their products of `act` in `outs`. The model refuses the flag
+/// where the three matrices' activation types differ or do not dequantize
+/// ([`LlamaModel::can_split_qkv`]).
 #[allow(clippy::too_many_arguments)]
 fn split_qkv(
     k: &Kernels,
@@ -603,13 +609,17 @@ fn split_qkv(
     let Some(row) = activation_bytes(ty, cols, 1) else { return Ok(()) };
     let widths = outs.each_ref().map(|o| o.len());
     let total: usize = widths.iter().sum();
-    if n == 0 || act.len() < n * row || sp.resid.len() < x.len() || sp.out.len() < total {
+    if n == 0 {
         return Ok(());
     }
+    if act.len() < n * row || sp.resid.len() < x.len() || sp.out.len() < total {
+        return Err(ModelError::Batch(
+            "split Q/K/V buffers too small (a scratch made before `split_qkv` was set)".into(),
+        ));
+    }
     for (t, r) in sp.resid[..x.len()].chunks_exact_mut(cols).enumerate() {
-        if crate::quant::dequantize_row(ty, &act[t * row..(t + 1) * row], r).is_err() {
-            return Ok(());
-        }
+        crate::quant::dequantize_row(ty, &act[t * row..(t + 1) * row], r)
+            .map_err(|e| ModelError::Kernel(KernelError::Quant(e)))?;
         for (r, x) in r.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
             *r = x - *r;
         }
@@ -627,6 +637,8 @@ fn split_qkv(
     Ok(())
 }
 
+/// [`quantize_activations`] with the rows split over the pool (row by row, the same bits);
+/// returns the bytes used at the front of `out`.
 fn quantize_par(
     k: &Kernels,
     pool: &ThreadPool,

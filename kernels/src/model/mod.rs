@@ -20,24 +20,25 @@ pub use crate::ops::AttnMode;
 use crate::KernelError;
 use crate::cpu::lanes::LaneMath;
 
-/// The arithmetic a model engine computes in.
+/// The arithmetic a model engine computes in. The discriminants are part of the KV cache's
+/// fingerprint (blocks kept on disk across restarts): never renumber them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Arith {
     /// ggml's association everywhere (activations quantized per weight type, f16 cache,
     /// f16-rounded queries and attention probabilities): llama.cpp's logits bit for bit.
     #[default]
-    Exact,
+    Exact = 0,
     /// As `Exact`, with the quantized products rounded once per block and row
     /// ([`LaneMath::Fast`]) where the CPU has row-lane kernels.
-    Fast,
+    Fast = 1,
     /// As `Fast`, with the Q/K/V products' input quantized in two parts
     /// ([`LlamaModel::split_qkv`]): those products (16 % of a token's multiply-adds) cost
     /// twice, and the quantization of their input — a quarter of `Exact`'s distance to
     /// `Reference` — nearly leaves it.
-    Split,
+    Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
-    Reference,
+    Reference = 2,
 }
 
 impl Arith {

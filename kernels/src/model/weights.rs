@@ -96,7 +96,8 @@ pub struct LlamaModel {
     /// Whether the Q/K/V products take their input in two quantized parts (the input, then
     /// what its quantization left out), nearly the f32 input's product at twice those
     /// products' cost: set by [`Arith::Split`](super::Arith::Split) before any
-    /// [`Scratch`](super::Scratch) is made for the model.
+    /// [`Scratch`](super::Scratch) is made for the model, only where
+    /// [`LlamaModel::can_split_qkv`].
     pub split_qkv: bool,
 }
 
@@ -240,6 +241,23 @@ impl LlamaModel {
     /// Bytes of weights (all tensors).
     pub fn weight_bytes(&self) -> u64 {
         self.file.tensors().iter().map(|t| t.size_bytes()).sum()
+    }
+
+    /// Whether every layer's Q, K and V products share one activation type that can be
+    /// dequantized, as [`LlamaModel::split_qkv`] needs.
+    pub fn can_split_qkv(&self) -> bool {
+        self.layers.iter().all(|l| {
+            match [&l.wq, &l.wk, &l.wv].map(|m| crate::quant::vec_dot_type(m.ty())) {
+                [Some(a), Some(b), Some(c)] if a == b && b == c => {
+                    let cols = crate::quant::QK_K;
+                    let Some(bytes) = a.row_size(cols as u64) else { return false };
+                    let row = vec![0u32; (bytes as usize).div_ceil(4)];
+                    let row = &bytemuck::cast_slice::<u32, u8>(&row)[..bytes as usize];
+                    crate::quant::dequantize_row(a, row, &mut [0.0; crate::quant::QK_K]).is_ok()
+                }
+                _ => false,
+            }
+        })
     }
 
     /// A kernel view of `m`.

@@ -45,12 +45,11 @@ pub(crate) struct EngineOpts {
     #[arg(long, env = "KVX_NO_PREFIX_CACHING", value_parser = FalseyValueParser::new())]
     pub(crate) no_prefix_caching: bool,
     /// The arithmetic: `exact` (ggml's association: llama.cpp's logits bit for bit), `fast`
-    /// (quantized products rounded once per block and row: about twice the arithmetic rate
-    /// on AVX-512; logits within rounding of `exact`'s), `split` (`fast` with the Q/K/V
-    /// products' input quantized in two parts: nearer the reference than `exact`) or
-    /// `reference` (the model's own math
-    /// on its quantized weights: f32 activations and cache, f64 sums; slow, the base that
-    /// `kvx eval perplexity --kl-divergence` measures the others against).
+    /// (quantized products rounded once per block and row: faster where the multiply pipes
+    /// bind; logits within rounding of `exact`'s), `split` (`fast` with the Q/K/V products'
+    /// input quantized in two parts: nearer the reference than `exact`) or `reference` (the
+    /// model's own math on its quantized weights: f32 activations and cache, f64 sums; slow,
+    /// the base that `kvx eval perplexity --kl-divergence` measures the others against).
     #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "exact")]
     pub(crate) arith: Arith,
     /// The same as `--arith fast`.
