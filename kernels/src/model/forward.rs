@@ -296,8 +296,14 @@ impl LlamaModel {
             // Q, K and V reuse one quantization of the input when their types agree.
             let mut len = quantize_par(k, pool, wq.act_ty(), &s.xn[..n * d], d, act)?;
             if wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
+                let ws = [&wq, &wk, &wv];
                 let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
-                matmul_many(k, pool, [&wq, &wk, &wv], &act[..len], n, outs)?;
+                matmul_many(k, pool, ws, &act[..len], n, outs)?;
+                if self.split_qkv {
+                    let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
+                    let x = &s.xn[..n * d];
+                    split_qkv(k, pool, ws, x, &act[..len], &mut s.split, n, outs)?;
+                }
             } else {
                 matmul(k, pool, &wq, &act[..len], n, &mut s.q[..n * qd])?;
                 if wk.act_ty() != wq.act_ty() {
@@ -308,18 +314,6 @@ impl LlamaModel {
                     len = quantize_activations(k, wv.act_ty(), &s.xn[..n * d], d, act)?.len();
                 }
                 matmul(k, pool, &wv, &act[..len], n, &mut s.v[..n * kvd])?;
-            }
-            if self.split_qkv && wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
-                split_qkv(
-                    k,
-                    pool,
-                    [&wq, &wk, &wv],
-                    &s.xn[..n * d],
-                    &act[..len],
-                    &mut s.split,
-                    n,
-                    [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]],
-                )?;
             }
             add_bias(&mut s.q[..n * qd], l.bq.as_deref());
             add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
