@@ -2,7 +2,7 @@
 """Greedy-generation parity between kvx and llama.cpp (through llama-cpp-python).
 
 For each prompt (one per line of --prompts), runs
-    kvx generate --chat --temperature 0 --max-tokens N --json --prompt P
+    kvx generate --exact --chat --temperature 0 --max-tokens N --json --prompt P
 then feeds kvx's prompt token ids to llama.cpp (oracle.py generate) and compares the
 generated ids token by token. A prompt "matches" when the ids are identical. A divergence
 is "allowed" when, at the first differing step, llama.cpp's top two logits are within
@@ -69,7 +69,7 @@ def main() -> int:
 
     ours = []
     for p in prompts:
-        cmd = [a.kvx, "generate", "--model", a.model, "--chat", "--temperature", "0",
+        cmd = [a.kvx, "generate", "--exact", "--model", a.model, "--chat", "--temperature", "0",
                "--max-tokens", str(a.max_tokens), "--json", "--prompt", p] + a.kvx_args.split()
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:

@@ -45,8 +45,16 @@ fn perplexity_matches_llama_perplexity() {
     let path = file.to_str().expect("path");
     for ctx in [128usize, 256] {
         let want = oracle_perplexity(&text, ctx);
-        let out =
-            kvx_ok(&["eval", "perplexity", "--file", path, "--ctx", &ctx.to_string(), "--json"]);
+        let out = kvx_ok(&[
+            "eval",
+            "perplexity",
+            "--exact",
+            "--file",
+            path,
+            "--ctx",
+            &ctx.to_string(),
+            "--json",
+        ]);
         let got: Value = serde_json::from_str(out.trim()).expect("kvx json");
         assert_eq!(got["tokens"], want["tokens"], "ctx {ctx}: {got} vs {want}");
         assert_eq!(got["chunks"], want["chunks"], "ctx {ctx}");
@@ -74,9 +82,9 @@ fn perplexity_matches_llama_perplexity() {
         a.extend_from_slice(extra);
         serde_json::from_str(kvx_ok(&a).trim()).expect("json")
     };
-    let saved = run(&["--save-logits", base]);
+    let saved = run(&["--save-logits", base, "--exact"]);
     assert!(saved.get("kld_mean").is_none(), "{saved}");
-    let same = run(&["--kl-divergence", base]);
+    let same = run(&["--kl-divergence", base, "--arith", "exact"]);
     assert_eq!((same["kld_max"].as_f64(), same["top1"].as_f64()), (Some(0.0), Some(1.0)), "{same}");
     assert_eq!(same["ppl"], saved["ppl"]);
     let fast = run(&["--kl-divergence", base, "--arith", "fast"]);
@@ -97,6 +105,19 @@ fn perplexity_matches_llama_perplexity() {
     assert_eq!(split["arith"].as_str(), Some("split"), "{split}");
     let kld = split["kld_mean"].as_f64().expect("kld");
     assert!(kld > 0.0 && kld < 0.01 && split["top1"].as_f64().expect("top1") > 0.9, "{split}");
+    // The default arithmetic is this CPU's choice for the model: `split` where its `fast`
+    // products pay, else `exact`; either way it names itself, and only `exact` is at zero.
+    let auto = run(&["--kl-divergence", base]);
+    match auto["arith"].as_str() {
+        Some("split") => assert_eq!(auto["kld_mean"], split["kld_mean"], "{auto}"),
+        _ => assert_eq!(
+            (auto["arith"].as_str(), auto["kld_max"].as_f64()),
+            (Some("exact"), Some(0.0))
+        ),
+    }
+    // `--exact` is `--arith exact`, and says nothing else.
+    let out = kvx(&["eval", "perplexity", "--file", path, "--exact", "--arith", "split"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--exact"));
     let one = run(&["--chunks", "1"]);
     assert_eq!(one["chunks"], 1);
     let out = kvx(&[
@@ -111,7 +132,8 @@ fn perplexity_matches_llama_perplexity() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("erase the base"));
-    assert!(run(&["--kl-divergence", base])["kld_max"].as_f64() == Some(0.0), "the base is intact");
+    let intact = run(&["--kl-divergence", base, "--exact"]);
+    assert_eq!(intact["kld_max"].as_f64(), Some(0.0), "the base is intact");
     let out = kvx(&["eval", "perplexity", "--file", path, "--ctx", "64", "--kl-divergence", base]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("another text, window"));

@@ -1,7 +1,7 @@
-//! Greedy generation matches llama.cpp token for token (tests/oracle/parity.py): at least 9
-//! of 10 prompts identical, any divergence only where llama.cpp's top two logits are within
-//! 1e-3, and kvx's chat prompt ids equal llama.cpp's tokenization of the transformers-style
-//! rendering. `KVX_PARITY_PROMPTS` points the test at another prompt file.
+//! Greedy generation in `--exact` arithmetic matches llama.cpp token for token
+//! (tests/oracle/parity.py): at least 9 of 10 prompts identical, any divergence only where
+//! llama.cpp's top two logits are within 1e-3, and kvx's chat prompt ids equal llama.cpp's
+//! tokenization of the transformers-style rendering. `KVX_PARITY_PROMPTS` points the test at another prompt file.
 
 use std::process::Command;
 

@@ -184,6 +184,19 @@ fn the_reference_arithmetic_is_close_to_the_kernels_batch_invariant_and_measured
 }
 
 #[test]
+fn the_preferred_arithmetic_is_split_where_the_fast_products_pay_and_exact_elsewhere() {
+    let m = model();
+    let k = cpu::kernels();
+    assert!(m.can_split_qkv());
+    let want = if k.fast_lanes_pay() { Arith::Split } else { Arith::Exact };
+    assert_eq!(m.preferred_arith(k), want);
+    // Without row-lane kernels `split` would be `exact`'s products and more.
+    let scalar = cpu::Kernels::for_level(cpu::SimdLevel::Scalar).expect("scalar");
+    assert!(!scalar.fast_lanes_pay());
+    assert_eq!(m.preferred_arith(&scalar), Arith::Exact);
+}
+
+#[test]
 fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact() {
     let (exact_m, split_m) = (model(), common::model_in(Arith::Split));
     assert!(split_m.can_split_qkv());

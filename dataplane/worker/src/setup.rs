@@ -138,8 +138,10 @@ pub struct EngineSetup {
     pub model: Option<PathBuf>,
     /// The kernel table (the `--simd` choice or the best level).
     pub kernels: &'static Kernels,
-    /// The arithmetic model engines compute in.
-    pub arith: Arith,
+    /// The arithmetic model engines compute in; `None`: the model's preferred one on these
+    /// kernels ([`LlamaModel::preferred_arith`]), chosen once the model is loaded — the
+    /// [`Prepared`] setup holds the choice.
+    pub arith: Option<Arith>,
     /// Scheduler limits.
     pub limits: EngineLimits,
     /// KV cache bytes per engine (default: a quarter of RAM, at most 4 GiB, split between
@@ -275,7 +277,7 @@ impl EngineSetup {
             kind,
             model,
             kernels,
-            arith: Arith::Exact,
+            arith: None,
             limits: EngineLimits::default(),
             kv_cache_bytes: None,
             engines: 1,
@@ -321,9 +323,11 @@ impl EngineSetup {
     }
 
     /// The arithmetic model engines really compute in: `fast` is `exact` where the kernel
-    /// level has no row-lane products.
+    /// level has no row-lane products. For a setup whose arithmetic is still to be chosen
+    /// (`arith` `None`, before [`EngineSetup::prepare`]), `exact`; a [`Prepared`] setup's is
+    /// the chosen one.
     pub fn effective_arith(&self) -> Arith {
-        match self.arith {
+        match self.arith.unwrap_or(Arith::Exact) {
             Arith::Fast if self.kernels.lanes.is_none() => Arith::Exact,
             a => a,
         }
@@ -378,7 +382,7 @@ impl EngineSetup {
         if self.roles.len() > self.engines {
             return bad("more roles than engines");
         }
-        if self.arith == Arith::Reference && (self.tiers.is_some() || self.disaggregated()) {
+        if self.arith == Some(Arith::Reference) && (self.tiers.is_some() || self.disaggregated()) {
             return bad(
                 "the reference arithmetic keeps an f32 KV cache of its own: no KV tiers and no \
                  prefill/decode roles",
@@ -415,6 +419,7 @@ impl EngineSetup {
     /// sizes the KV pool of each engine.
     pub fn prepare(&self) -> Result<Prepared, SetupError> {
         self.validate()?;
+        let mut resolved = self.clone();
         let (backing, tokenizer, sched, kv_blocks, kv_fingerprint) = match (self.kind, &self.model)
         {
             (EngineKind::Model, Some(path)) => {
@@ -423,13 +428,16 @@ impl EngineSetup {
                 let file = GgufFile::open(path).map_err(|e| model_err("opening", path, e))?;
                 let mut model =
                     LlamaModel::load(Arc::new(file)).map_err(|e| model_err("loading", path, e))?;
-                if let Some(math) = self.arith.lane_math() {
+                let arith = self.arith.unwrap_or_else(|| model.preferred_arith(self.kernels));
+                resolved.arith = Some(arith);
+                tracing::info!(arith = arith.name(), "arithmetic");
+                if let Some(math) = arith.lane_math() {
                     let bytes = model
                         .repack(self.kernels, math)
                         .map_err(|e| model_err("repacking", path, e))?;
                     tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
                 }
-                model.split_qkv = self.arith.split_qkv();
+                model.split_qkv = arith.split_qkv();
                 if model.split_qkv && !model.can_split_qkv() {
                     return Err(SetupError::Invalid(format!(
                         "--arith split: the Q/K/V products of {} do not share one activation \
@@ -441,9 +449,9 @@ impl EngineSetup {
                 let budget =
                     self.kv_cache_bytes.unwrap_or_else(|| default_kv_bytes() / self.engines as u64);
                 // The reference arithmetic caches f32, twice the bytes of the f16 cache.
-                let budget = if self.arith == Arith::Reference { budget / 2 } else { budget };
+                let budget = if arith == Arith::Reference { budget / 2 } else { budget };
                 let blocks = self.blocks_for(&model.cfg, budget, sched.max_model_len);
-                let fp = self.kv_fingerprint(path, &model.cfg)?;
+                let fp = resolved.kv_fingerprint(path, &model.cfg)?;
                 (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks, fp)
             }
             (EngineKind::Model, None) => unreachable_model()?,
@@ -484,7 +492,7 @@ impl EngineSetup {
                 (Backing::Mocker(mock, per_token), tokenizer, sched, blocks.max(1), 0)
             }
         };
-        Ok(Prepared { setup: self.clone(), backing, tokenizer, sched, kv_blocks, kv_fingerprint })
+        Ok(Prepared { setup: resolved, backing, tokenizer, sched, kv_blocks, kv_fingerprint })
     }
 
     /// A fingerprint of what a KV block's bytes depend on: the model file (its size and
@@ -574,13 +582,15 @@ impl Prepared {
         limit
     }
 
-    /// The model's name as discovery and profiles record it: its file name and size, or
+    /// The model's name as discovery and profiles record it: its file name, size and the
+    /// arithmetic its engines compute in (profiles of different arithmetics do not mix), or
     /// `mocker` for mock engines without a model.
     pub fn model_label(&self) -> String {
         match &self.setup.model {
             Some(p) => {
                 let len = std::fs::metadata(p).map_or(0, |m| m.len());
-                format!("{}:{len}", p.file_name().and_then(|f| f.to_str()).unwrap_or("model"))
+                let name = p.file_name().and_then(|f| f.to_str()).unwrap_or("model");
+                format!("{name}:{len}:{}", self.setup.effective_arith().name())
             }
             None => "mocker".to_string(),
         }
@@ -650,7 +660,7 @@ impl Prepared {
         let (m, k, bs) = (model.clone(), self.setup.kernels, self.sched.block_size);
         let (t, n) = (self.sched.max_batched_tokens, self.kv_blocks);
         Ok(match kv_memory {
-            None if self.setup.arith == Arith::Reference => {
+            None if self.setup.arith == Some(Arith::Reference) => {
                 Box::new(ReferenceBackend::new(m, pool, n, bs, t, max_ctx)?)
             }
             None => {
@@ -660,7 +670,7 @@ impl Prepared {
                 }
                 Box::new(b)
             }
-            Some(_) if self.setup.arith == Arith::Reference => {
+            Some(_) if self.setup.arith == Some(Arith::Reference) => {
                 return Err(EngineError::Internal(
                     "the reference arithmetic keeps its own f32 cache; it cannot use lent memory"
                         .into(),
@@ -885,7 +895,7 @@ mod tests {
                 Some("m.gguf".into()),
                 kvx_kernels::cpu::kernels(),
             );
-            s.arith = Arith::Reference;
+            s.arith = Some(Arith::Reference);
             s
         };
         assert!(model().validate().is_ok());
@@ -898,7 +908,7 @@ mod tests {
         assert!(matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("reference")));
         // `fast` is `exact` where the level has no row-lane kernels.
         let mut s = model();
-        s.arith = Arith::Fast;
+        s.arith = Some(Arith::Fast);
         let scalar = kvx_kernels::cpu::Kernels::for_level(kvx_kernels::cpu::SimdLevel::Scalar);
         s.kernels = Box::leak(Box::new(scalar.expect("scalar level")));
         assert_eq!(s.effective_arith(), Arith::Exact);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvx_gguf::{GgmlType, GgufFile};
 
-use super::{LlamaConfig, ModelError};
+use super::{Arith, LlamaConfig, ModelError};
 use crate::cpu::Kernels;
 use crate::cpu::lanes::{LANE_ROWS, LaneArena, LaneMath, LaneMatrix};
 use crate::greedy::HeadScreen;
@@ -258,6 +258,25 @@ impl LlamaModel {
                 _ => false,
             }
         })
+    }
+
+    /// The default arithmetic for this model on `k`: the fastest one measured no farther
+    /// from [`Arith::Reference`] than [`Arith::Exact`] (KL divergence no larger, perplexity
+    /// within 0.2 % — kernels/PERF.md's table). That is [`Arith::Split`] where the CPU's
+    /// `Fast` row-lane products pay ([`Kernels::fast_lanes_pay`]), every layer's matrices
+    /// repack into row lanes and the Q/K/V products can split ([`Self::can_split_qkv`]);
+    /// [`Arith::Exact`] everywhere else, where `split` would cost more than it saves.
+    pub fn preferred_arith(&self, k: &Kernels) -> Arith {
+        let lanes = self.layers.iter().all(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .all(|m| LaneMatrix::supports(m.ty) && m.rows.is_multiple_of(LANE_ROWS))
+        });
+        if k.fast_lanes_pay() && lanes && self.can_split_qkv() {
+            Arith::Split
+        } else {
+            Arith::Exact
+        }
     }
 
     /// A kernel view of `m`.

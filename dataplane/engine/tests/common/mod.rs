@@ -14,7 +14,7 @@ use kvx_kernels::model::{Arith, LlamaModel};
 use kvx_kernels::par::ThreadPool;
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 
-/// The model, repacked for the row-lane kernels as `kvx` loads it by default.
+/// The model, repacked for the row-lane kernels as `kvx --exact` loads it.
 pub fn model() -> Arc<LlamaModel> {
     model_in(Arith::Exact)
 }

@@ -84,7 +84,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
         if v.is_empty() { 0.0 } else { v[v.len() / 2] }
     };
     let (pp_med, tg_med) = (med(&mut pp), med(&mut tg));
-    let math = setup.effective_arith().name();
+    let math = prepared.setup().effective_arith().name();
     if args.json {
         println!(
             "{}",

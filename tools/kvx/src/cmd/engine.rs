@@ -10,8 +10,18 @@ use kvx_worker::{Arith, EngineKind, EngineLimits, EngineSetup, TierSetup};
 
 use super::Runtime;
 
-fn parse_arith(s: &str) -> Result<Arith, String> {
-    Arith::from_name(s).ok_or_else(|| format!("{s:?} is not one of exact, fast, split, reference"))
+/// `--arith`: `auto` (`None`: the model's preferred arithmetic on this CPU) or an
+/// arithmetic.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ArithArg(Option<Arith>);
+
+fn parse_arith(s: &str) -> Result<ArithArg, String> {
+    if s == "auto" {
+        return Ok(ArithArg(None));
+    }
+    Arith::from_name(s)
+        .map(|a| ArithArg(Some(a)))
+        .ok_or_else(|| format!("{s:?} is not one of auto, exact, fast, split, reference"))
 }
 
 #[derive(Debug, Clone, Args)]
@@ -44,14 +54,20 @@ pub(crate) struct EngineOpts {
     /// Do not reuse KV blocks across requests.
     #[arg(long, env = "KVX_NO_PREFIX_CACHING", value_parser = FalseyValueParser::new())]
     pub(crate) no_prefix_caching: bool,
-    /// The arithmetic: `exact` (ggml's association: llama.cpp's logits bit for bit), `fast`
+    /// The arithmetic: `auto` (the fastest one no farther from the model's own math than
+    /// `exact`, on this CPU and model: `split` where the CPU's `fast` products pay for its
+    /// doubled Q/K/V products, else `exact`; kernels/PERF.md), `exact` (ggml's association:
+    /// llama.cpp's logits bit for bit), `fast`
     /// (quantized products rounded once per block and row: faster where the multiply pipes
     /// bind; logits within rounding of `exact`'s), `split` (`fast` with the Q/K/V products'
     /// input quantized in two parts: nearer the reference than `exact`) or `reference` (the
     /// model's own math on its quantized weights: f32 activations and cache, f64 sums; slow,
     /// the base that `kvx eval perplexity --kl-divergence` measures the others against).
-    #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "exact")]
-    pub(crate) arith: Arith,
+    #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "auto")]
+    pub(crate) arith: ArithArg,
+    /// The same as `--arith exact`: llama.cpp's tokens, for parity work.
+    #[arg(long, env = "KVX_EXACT", value_parser = FalseyValueParser::new(), conflicts_with_all = ["arith", "fast_math"])]
+    pub(crate) exact: bool,
     /// The same as `--arith fast`.
     #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new(), conflicts_with = "arith")]
     pub(crate) fast_math: bool,
@@ -83,7 +99,11 @@ impl EngineOpts {
         let model =
             if model_needed { Some(rt.store.resolve(self.model.as_deref())?) } else { None };
         let mut s = EngineSetup::new(kind, model, rt.kernels()?);
-        s.arith = if self.fast_math { Arith::Fast } else { self.arith };
+        s.arith = match (self.exact, self.fast_math) {
+            (true, _) => Some(Arith::Exact),
+            (_, true) => Some(Arith::Fast),
+            _ => self.arith.0,
+        };
         s.kv_cache_bytes = self.kv_cache_bytes;
         s.limits = EngineLimits {
             block_size: self.block_size,

@@ -244,14 +244,15 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
         .collect();
     let mean_ttft = ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
     eprintln!(
-        "kvx: {} request(s), {generated} tokens generated in {wall:.2} s ({:.1} tok/s), prompt tokens {} ({} computed, {} from the prefix cache), mean TTFT {mean_ttft:.1} ms, {} preemption(s), kernels {}",
+        "kvx: {} request(s), {generated} tokens generated in {wall:.2} s ({:.1} tok/s), prompt tokens {} ({} computed, {} from the prefix cache), mean TTFT {mean_ttft:.1} ms, {} preemption(s), kernels {}, {} arithmetic",
         jobs.len(),
         generated as f64 / wall,
         stats.prompt_tokens,
         stats.prefill_tokens,
         stats.cached_tokens,
         stats.preemptions,
-        rt.kernels()?.level
+        rt.kernels()?.level,
+        prepared.setup().effective_arith().name()
     );
     Ok(())
 }

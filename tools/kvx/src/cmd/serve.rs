@@ -110,6 +110,10 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     let prepared = setup.prepare()?;
     let tokenizer = prepared.tokenizer().cloned().context("the model has no tokenizer")?;
     let context = prepared.context_limit();
+    let arith = match kind {
+        EngineKind::Model => format!(", {} arithmetic", prepared.setup().effective_arith().name()),
+        EngineKind::Mocker => String::new(),
+    };
     let router = args.router.config(prepared.block_size())?;
     let plane = Arc::new(LocalPlane::with_disagg(prepared.start()?, router, args.disagg.config())?);
     drop(prepared);
@@ -131,7 +135,7 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
         let auth = if keyed { " -H 'Authorization: Bearer YOUR_KEY'" } else { "" };
         let _ = writeln!(
             out,
-            "kvx: serving {name} ({} engine, {n} shard(s), context {context}) in {:.1} s\ntry:\n  curl {scheme}://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\":\"{name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\nlistening on {scheme}://{addr}",
+            "kvx: serving {name} ({} engine, {n} shard(s), context {context}{arith}) in {:.1} s\ntry:\n  curl {scheme}://{addr}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\":\"{name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'\nlistening on {scheme}://{addr}",
             kind.name(),
             t0.elapsed().as_secs_f64(),
         );

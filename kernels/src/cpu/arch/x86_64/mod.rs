@@ -18,3 +18,23 @@ pub(crate) mod lanes;
 
 #[cfg(test)]
 mod tests;
+
+/// Whether the CPU is AMD's and of family 1Ah or later (Zen 5 on), from CPUID leaves 0 and
+/// 1 ([`amd_family_1ah_or_later_of`]).
+pub(crate) fn amd_family_1ah_or_later() -> bool {
+    use std::arch::x86_64::__cpuid;
+    let l0 = __cpuid(0);
+    let eax1 = if l0.eax >= 1 { __cpuid(1).eax } else { 0 };
+    amd_family_1ah_or_later_of([l0.ebx, l0.edx, l0.ecx], eax1)
+}
+
+/// [`amd_family_1ah_or_later`] from leaf 0's vendor registers (EBX, EDX, ECX) and leaf 1's
+/// EAX: the family is the base family, plus the extended family where the base is 0Fh, as
+/// both vendors define it.
+pub(crate) fn amd_family_1ah_or_later_of(vendor: [u32; 3], eax1: u32) -> bool {
+    // "AuthenticAMD" as leaf 0 spells it.
+    let amd = vendor == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
+    let base = (eax1 >> 8) & 0xf;
+    let family = if base == 0xf { base + ((eax1 >> 20) & 0xff) } else { base };
+    amd && family >= 0x1a
+}

@@ -1,6 +1,7 @@
 //! Parity of the arch tables as this module builds them, before `cpu::exact` swaps some slots
 //! for its ggml-pinned kernels: without these tests the swapped-out kernels here would go
-//! untested (the integration tests see only the final tables).
+//! untested (the integration tests see only the final tables); and the CPU identification
+//! that chooses the default arithmetic.
 
 use bytemuck::Zeroable;
 use half::f16;
@@ -184,4 +185,17 @@ fn raw_elementwise_ops_match_reference() {
             );
         }
     }
+}
+
+#[test]
+fn amd_families_from_cpuid_signatures() {
+    use super::amd_family_1ah_or_later_of as zen5;
+    let amd = [0x6874_7541, 0x6974_6e65, 0x444d_4163];
+    let intel = [0x756e_6547, 0x6c65_746e, 0x4965_6e69]; // "GenuineIntel"
+    assert!(zen5(amd, 0x00B0_0F21)); // EPYC 9005 (Zen 5): family 0Fh + 0Bh
+    assert!(zen5(amd, 0x00B4_0F40)); // Ryzen 9000 (Zen 5)
+    assert!(!zen5(amd, 0x00A1_0F11)); // EPYC 9004 (Zen 4): family 19h
+    assert!(!zen5(amd, 0x0083_0F10)); // EPYC 7002 (Zen 2): family 17h
+    assert!(!zen5(intel, 0x0008_06F8)); // Xeon (Sapphire Rapids): family 6
+    assert!(!zen5(intel, 0x00B0_0F21)); // the vendor decides, not the bits alone
 }
