@@ -83,8 +83,9 @@ pub struct Scratch {
     split: SplitScratch,
 }
 
-/// Buffers of the split Q/K/V product: the input's residual after its quantization, the
-/// residual quantized, and the product of the residual (Q, K, V one after another).
+/// Buffers of the split Q/K/V product: the input's residual after its quantization, both
+/// parts quantized (the input's rows, then the residual's), and the products of both (Q, K,
+/// V one after another, each `2n` rows).
 #[derive(Default)]
 struct SplitScratch {
     resid: Vec<f32>,
@@ -142,13 +143,13 @@ impl Scratch {
                     .layers
                     .iter()
                     .filter_map(|l| crate::quant::vec_dot_type(l.wq.ty()))
-                    .filter_map(|a| activation_bytes(a, c.n_embd, t))
+                    .filter_map(|a| activation_bytes(a, c.n_embd, 2 * t))
                     .max()
                     .unwrap_or(0);
                 SplitScratch {
                     resid: vec![0.0; t * c.n_embd],
                     act: vec![0; qkv_act.div_ceil(4)],
-                    out: vec![0.0; t * (c.q_dim() + 2 * c.kv_dim())],
+                    out: vec![0.0; 2 * t * (c.q_dim() + 2 * c.kv_dim())],
                 }
             } else {
                 SplitScratch::default()
@@ -298,11 +299,11 @@ impl LlamaModel {
             if wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
                 let ws = [&wq, &wk, &wv];
                 let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
-                matmul_many(k, pool, ws, &act[..len], n, outs)?;
                 if self.split_qkv {
-                    let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
                     let x = &s.xn[..n * d];
                     split_qkv(k, pool, ws, x, &act[..len], &mut s.split, n, outs)?;
+                } else {
+                    matmul_many(k, pool, ws, &act[..len], n, outs)?;
                 }
             } else {
                 matmul(k, pool, &wq, &act[..len], n, &mut s.q[..n * qd])?;
@@ -582,10 +583,13 @@ fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) +
     }
 }
 
-/// The second half of the split Q/K/V product ([`LlamaModel::split_qkv`]): `x` less its
-/// quantization `act` (a row of activation blocks per token), quantized in turn, times the
-/// three matrices, added to their products of `act` in `outs`. The model refuses the flag
-/// where the three matrices' activation types differ or do not dequantize
+/// The split Q/K/V product ([`LlamaModel::split_qkv`]): `x` times the three matrices, as
+/// its quantization `act` (a row of activation blocks per token) times them plus what that
+/// quantization left out (`x` less `act` dequantized), quantized in turn, times them. The
+/// two parts go through the matrices as one batch of `2n` tokens — the input's rows, then
+/// the residual's — so each weight is read once for both (a token's products do not depend
+/// on its batch), and each output is the first part's product plus the second's. The model
+/// refuses the flag where the three matrices' activation types differ or do not dequantize
 /// ([`LlamaModel::can_split_qkv`]).
 #[allow(clippy::too_many_arguments)]
 fn split_qkv(
@@ -606,26 +610,46 @@ fn split_qkv(
     if n == 0 {
         return Ok(());
     }
-    if act.len() < n * row || sp.resid.len() < x.len() || sp.out.len() < total {
+    let act2 = bytemuck::cast_slice_mut::<u32, u8>(&mut sp.act);
+    if act.len() < n * row
+        || act2.len() < 2 * n * row
+        || sp.resid.len() < x.len()
+        || sp.out.len() < 2 * total
+    {
         return Err(ModelError::Batch(
             "split Q/K/V buffers too small (a scratch made before `split_qkv` was set)".into(),
         ));
     }
-    for (t, r) in sp.resid[..x.len()].chunks_exact_mut(cols).enumerate() {
-        crate::quant::dequantize_row(ty, &act[t * row..(t + 1) * row], r)
-            .map_err(|e| ModelError::Kernel(KernelError::Quant(e)))?;
-        for (r, x) in r.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
-            *r = x - *r;
+    {
+        let ro = DisjointOut::new(&mut sp.resid[..x.len()]);
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        par_tokens(pool, n, &|range| {
+            for t in range {
+                let r = ro.range(t * cols, cols);
+                if crate::quant::dequantize_row(ty, &act[t * row..(t + 1) * row], r).is_err() {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                for (r, x) in r.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
+                    *r = x - *r;
+                }
+            }
+        });
+        if failed.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(ModelError::Kernel(KernelError::Shape(
+                "split Q/K/V: activation rows could not be dequantized",
+            )));
         }
     }
-    let act2 = bytemuck::cast_slice_mut::<u32, u8>(&mut sp.act);
-    let len = quantize_par(k, pool, ty, &sp.resid[..x.len()], cols, act2)?;
-    let (a, rest) = sp.out[..total].split_at_mut(widths[0]);
-    let (b, c) = rest.split_at_mut(widths[1]);
-    matmul_many(k, pool, ws, &act2[..len], n, [&mut *a, &mut *b, &mut *c])?;
+    let (first, second) = act2[..2 * n * row].split_at_mut(n * row);
+    first.copy_from_slice(&act[..n * row]);
+    quantize_par(k, pool, ty, &sp.resid[..x.len()], cols, second)?;
+    let (a, rest) = sp.out[..2 * total].split_at_mut(2 * widths[0]);
+    let (b, c) = rest.split_at_mut(2 * widths[1]);
+    matmul_many(k, pool, ws, &act2[..2 * n * row], 2 * n, [&mut *a, &mut *b, &mut *c])?;
     for (o, p) in outs.into_iter().zip([&*a, &*b, &*c]) {
-        for (o, p) in o.iter_mut().zip(p) {
-            *o += p;
+        let (p1, p2) = p.split_at(o.len());
+        for ((o, p1), p2) in o.iter_mut().zip(p1).zip(p2) {
+            *o = p1 + p2;
         }
     }
     Ok(())
