@@ -123,7 +123,10 @@ def main():
         # The scaling row's columns are kvx's 16 streams and kvx's one stream.
         per_s = " ".join(fmt(p, "x") if p is not None else "-" for p in per)
         print(f"| {name} | {fmt(k)} | {fmt(l)} | {fmt(r, 'x')} | {tgt} | {v} | {per_s} |")
-    print(f"\nmedians of {runs} alternating runs; raw results in {os.path.abspath(out)}")
+    arith_file = os.path.join(out, "kvx_arithmetic.txt")
+    arith = open(arith_file).read().strip() if os.path.exists(arith_file) else "unknown arithmetic"
+    print(f"\nkvx in the {arith}; medians of {runs} alternating runs; raw results in "
+          f"{os.path.abspath(out)}")
 
 
 if __name__ == "__main__":

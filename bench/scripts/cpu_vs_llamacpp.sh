@@ -95,7 +95,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "model: $MODEL; runs: $RUNS; cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)" >&2
+# The arithmetic kvx computes in (`auto` chooses per CPU; KVX_ARITH=exact gives llama.cpp's).
+ARITH_USED=$("$KVX" generate --model "$MODEL" --prompt Hello --max-tokens 1 2>&1 >/dev/null \
+  | grep -o '[a-z]* arithmetic$' || echo "unknown arithmetic")
+echo "$ARITH_USED" > "$out/kvx_arithmetic.txt"
+echo "model: $MODEL; runs: $RUNS; cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2); kvx: $ARITH_USED" >&2
 
 # ---- 1. engine: pp512 and tg128, alternating kvx and llama-bench -----------------------------
 if [ -z "${SKIP_ENGINE:-}" ]; then

@@ -115,9 +115,12 @@ fn perplexity_matches_llama_perplexity() {
             (Some("exact"), Some(0.0))
         ),
     }
-    // `--exact` is `--arith exact`, and says nothing else.
-    let out = kvx(&["eval", "perplexity", "--file", path, "--exact", "--arith", "split"]);
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--exact"));
+    // `--exact` is `--arith exact`, over any `--arith` (a service's `KVX_ARITH` included);
+    // with `--fast-math` it is a contradiction.
+    let over = run(&["--kl-divergence", base, "--exact", "--arith", "split"]);
+    assert_eq!((over["arith"].as_str(), over["kld_max"].as_f64()), (Some("exact"), Some(0.0)));
+    let out = kvx(&["eval", "perplexity", "--file", path, "--exact", "--fast-math"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("give one"));
     let one = run(&["--chunks", "1"]);
     assert_eq!(one["chunks"], 1);
     let out = kvx(&[

@@ -75,7 +75,7 @@ pub struct WorkerRecord {
     pub role: WorkerRole,
     /// The served model's name.
     pub model: String,
-    /// What identifies the model's weights (file name and size).
+    /// What identifies the model's weights and arithmetic (`file:size:arith`).
     pub fingerprint: String,
     /// Tokens per KV block.
     pub block_size: usize,

@@ -133,6 +133,7 @@ impl Scripted {
             max_num_seqs: 64,
             role,
             kv_peer: None,
+            arith: String::new(),
         };
         s.send(kind::REGISTER, &reg).await;
         let r: Registered = s.expect(kind::REGISTERED).await;
@@ -232,7 +233,7 @@ async fn a_draining_worker_leaves_routing_and_its_requests_go_elsewhere() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_of_another_block_size_or_model_is_refused() {
+async fn a_worker_of_another_block_size_model_or_arithmetic_is_refused() {
     let (p, addr) = plane(Duration::from_secs(2)).await;
     let w = RealWorker::start(Link::Connect(addr.clone()), 1, 7, 2 * BS);
     match w.task.await.expect("task").1 {
@@ -251,11 +252,42 @@ async fn a_worker_of_another_block_size_or_model_is_refused() {
         max_num_seqs: 1,
         role: Default::default(),
         kv_peer: None,
+        arith: String::new(),
     };
     s.send(kind::REGISTER, &reg).await;
     let r: Registered = s.expect(kind::REGISTERED).await;
     assert!(!r.accepted && r.reason.contains("\"other\""), "{}", r.reason);
     assert!(p.workers().is_empty() && !p.ready());
+
+    // One fleet computes in one arithmetic: a worker in `split` joins, one in `exact` is
+    // refused while it is there, and joins once it has gone.
+    let register = |worker_id, arith: &str| Register {
+        worker_id,
+        model: MODEL.into(),
+        block_size: BS,
+        kv_blocks: 64,
+        max_num_seqs: 4,
+        role: Default::default(),
+        kv_peer: None,
+        arith: arith.into(),
+    };
+    let connect = || async {
+        Scripted { stream: TcpStream::connect(&addr).await.expect("connect"), buf: Vec::new() }
+    };
+    let mut split = connect().await;
+    split.send(kind::REGISTER, &register(9, "split")).await;
+    let r: Registered = split.expect(kind::REGISTERED).await;
+    assert!(r.accepted, "{}", r.reason);
+    let mut exact = connect().await;
+    exact.send(kind::REGISTER, &register(10, "exact")).await;
+    let r: Registered = exact.expect(kind::REGISTERED).await;
+    assert!(!r.accepted && r.reason.contains("split arithmetic, not exact"), "{}", r.reason);
+    drop(split);
+    wait_for("the split worker to leave", || p.workers().is_empty()).await;
+    let mut exact = connect().await;
+    exact.send(kind::REGISTER, &register(10, "exact")).await;
+    let r: Registered = exact.expect(kind::REGISTERED).await;
+    assert!(r.accepted, "{}", r.reason);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

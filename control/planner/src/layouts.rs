@@ -476,7 +476,7 @@ pub fn search(
     let model = &kinds[0].profile.shape.model;
     if let Some(k) = kinds.iter().find(|k| &k.profile.shape.model != model) {
         return bad(format!(
-            "{} profiles {}, not {model}: one search is over one model",
+            "{} profiles {}, not {model}: one search is over one model in one arithmetic",
             k.name, k.profile.shape.model
         ));
     }
@@ -748,6 +748,13 @@ impl Search {
                 set("KVX_SPEEDUP_RATIO", speedup.to_string(), profiled.clone());
             }
         } else if sh.kv_bytes_per_token > 0 {
+            // The model label ends with the arithmetic profiled (`file:size:arith`): the
+            // workers must compute in it, whatever `auto` would choose on their CPUs.
+            if let Some(arith) = sh.model.rsplit(':').next().filter(|a| {
+                sh.model.matches(':').count() >= 2 && a.chars().all(|c| c.is_ascii_lowercase())
+            }) {
+                set("KVX_ARITH", arith.into(), format!("the arithmetic {profiled}"));
+            }
             let bytes = u64::from(sh.kv_blocks)
                 .saturating_mul(u64::from(sh.block_size))
                 .saturating_mul(sh.kv_bytes_per_token);
@@ -985,6 +992,19 @@ mod tests {
                 assert_eq!(key("KVX_PREFILL_SHARDS"), Some(prefill.to_string()));
                 assert_eq!(key("KVX_DECODE_SHARDS"), Some(decode.to_string()));
             }
+        }
+        // A model engine's profile names its arithmetic; the settings pin it (an older
+        // label without one pins nothing).
+        for (label, want) in [("m.gguf:98362432:split", Some("split")), ("m.gguf:98362432", None)] {
+            let mut real = mocker(1);
+            real.shape.engine = "model".into();
+            real.shape.model = label.into();
+            real.shape.kv_bytes_per_token = 23_040;
+            let s = search(vec![WorkerKind::new("real".into(), real).unwrap()], work(), 2, 1);
+            let s = s.unwrap();
+            let set = s.settings(s.best().unwrap()).unwrap();
+            let arith = set.iter().find(|s| s.key == "KVX_ARITH").map(|s| s.value.as_str());
+            assert_eq!(arith, want, "{label}");
         }
         // Workers of two cores: four of them on 8 cores.
         let wide = vec![WorkerKind::new("wide".into(), mocker(2)).unwrap()];

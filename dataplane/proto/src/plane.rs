@@ -145,6 +145,11 @@ pub struct Register {
     /// Where peers write its KV (decode workers), or how it writes others' (prefill).
     #[serde(default)]
     pub kv_peer: Option<KvPeer>,
+    /// The arithmetic its model engines compute in (`exact`, `split`, ...; empty for mock
+    /// engines): one fleet computes in one, or its KV blocks and tokens would differ by
+    /// worker.
+    #[serde(default)]
+    pub arith: String,
 }
 
 /// The frontend's answer to a [`Register`].
@@ -286,6 +291,7 @@ mod tests {
                 v_offset: 4096,
                 block_bytes: 512,
             }),
+            arith: "split".into(),
         };
         assert_eq!(round_trip(kind::REGISTER, &reg), reg);
         let ready = KvReady { worker_id: 7, id: RequestId(9), arrived: false };

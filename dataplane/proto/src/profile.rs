@@ -21,7 +21,8 @@ pub struct WorkerShape {
     pub threads_per_shard: u32,
     /// Kernel instruction set (`avx512`, `avx2`, `scalar`; `none` for the mocker).
     pub simd: String,
-    /// The model's name and a fingerprint of its file (the mocker's timing model for mocks).
+    /// The model's file name, size and arithmetic (`file:size:arith`; the mocker's timing
+    /// model for mocks).
     pub model: String,
     /// Tokens per KV block.
     pub block_size: u32,

@@ -83,6 +83,8 @@ impl Link {
 pub struct RemoteConfig {
     /// The served model's name, as the frontend knows it.
     pub model: String,
+    /// The arithmetic the model engines compute in (empty for mock engines).
+    pub arith: String,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Heartbeat period.
@@ -112,6 +114,7 @@ impl Default for RemoteConfig {
     fn default() -> Self {
         RemoteConfig {
             model: String::new(),
+            arith: String::new(),
             block_size: 16,
             heartbeat: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(5),
@@ -485,6 +488,7 @@ async fn session_loop(
             max_num_seqs: h.max_num_seqs,
             role: h.role,
             kv_peer: h.kv_peer.clone(),
+            arith: cfg.arith.clone(),
         };
         put(kind::REGISTER, &reg, &mut buf);
     }

@@ -451,7 +451,7 @@ impl EngineSetup {
                 // The reference arithmetic caches f32, twice the bytes of the f16 cache.
                 let budget = if arith == Arith::Reference { budget / 2 } else { budget };
                 let blocks = self.blocks_for(&model.cfg, budget, sched.max_model_len);
-                let fp = resolved.kv_fingerprint(path, &model.cfg)?;
+                let fp = self.kv_fingerprint(path, &model.cfg, resolved.effective_arith())?;
                 (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks, fp)
             }
             (EngineKind::Model, None) => unreachable_model()?,
@@ -497,8 +497,14 @@ impl EngineSetup {
 
     /// A fingerprint of what a KV block's bytes depend on: the model file (its size and
     /// its first and last MiB, which hold the metadata and tensor table and the last
-    /// weights), the kernels' instruction set and arithmetic, and the cache layout.
-    fn kv_fingerprint(&self, path: &Path, cfg: &LlamaConfig) -> Result<u64, SetupError> {
+    /// weights), the kernels' instruction set and the arithmetic `arith` they compute in, and
+    /// the cache layout.
+    fn kv_fingerprint(
+        &self,
+        path: &Path,
+        cfg: &LlamaConfig,
+        arith: Arith,
+    ) -> Result<u64, SetupError> {
         use std::io::{Read, Seek, SeekFrom};
         let read = || -> std::io::Result<Vec<u8>> {
             let mut f = std::fs::File::open(path)?;
@@ -511,13 +517,8 @@ impl EngineSetup {
             Ok(buf)
         };
         let mut buf = read().map_err(|e| model_err("reading", path, e))?;
-        let shape = [
-            self.limits.block_size,
-            cfg.n_layer,
-            cfg.n_head_kv,
-            cfg.head_dim,
-            self.effective_arith() as usize,
-        ];
+        let shape =
+            [self.limits.block_size, cfg.n_layer, cfg.n_head_kv, cfg.head_dim, arith as usize];
         for v in shape {
             buf.extend_from_slice(&(v as u64).to_le_bytes());
         }

@@ -79,7 +79,7 @@ pub struct Scratch {
     per_thread: Vec<Mutex<AttnScratch>>,
     /// Attention: where each thread's (token, head) pairs start, and the end.
     attn_bounds: Vec<usize>,
-    /// The second part of split Q/K/V activations ([`LlamaModel::split_qkv`]); empty without.
+    /// The split Q/K/V product's buffers ([`LlamaModel::split_qkv`]); empty without.
     split: SplitScratch,
 }
 
@@ -586,9 +586,10 @@ fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) +
 /// The split Q/K/V product ([`LlamaModel::split_qkv`]): `x` times the three matrices, as
 /// its quantization `act` (a row of activation blocks per token) times them plus what that
 /// quantization left out (`x` less `act` dequantized), quantized in turn, times them. The
-/// two parts go through the matrices as one batch of `2n` tokens — the input's rows, then
-/// the residual's — so each weight is read once for both (a token's products do not depend
-/// on its batch), and each output is the first part's product plus the second's. The model
+/// two parts go through the matrices as one batch of `2n` tokens — the residual's rows
+/// first (quantized in place, where the buffer is aligned), then a copy of the input's — so
+/// each weight is read once for both (a token's products do not depend on its batch), and
+/// each output is the input's product plus the residual's. The model
 /// refuses the flag where the three matrices' activation types differ or do not dequantize
 /// ([`LlamaModel::can_split_qkv`]).
 #[allow(clippy::too_many_arguments)]
@@ -604,12 +605,13 @@ fn split_qkv(
 ) -> Result<(), ModelError> {
     let ty = ws[0].act_ty();
     let cols = x.len().checked_div(n).unwrap_or(0);
-    let Some(row) = activation_bytes(ty, cols, 1) else { return Ok(()) };
-    let widths = outs.each_ref().map(|o| o.len());
-    let total: usize = widths.iter().sum();
     if n == 0 {
         return Ok(());
     }
+    let row = activation_bytes(ty, cols, 1)
+        .ok_or_else(|| ModelError::Batch("split Q/K/V: rows are not whole blocks".into()))?;
+    let widths = outs.each_ref().map(|o| o.len());
+    let total: usize = widths.iter().sum();
     let act2 = bytemuck::cast_slice_mut::<u32, u8>(&mut sp.act);
     if act.len() < n * row
         || act2.len() < 2 * n * row
@@ -640,16 +642,16 @@ fn split_qkv(
             )));
         }
     }
-    let (first, second) = act2[..2 * n * row].split_at_mut(n * row);
-    first.copy_from_slice(&act[..n * row]);
-    quantize_par(k, pool, ty, &sp.resid[..x.len()], cols, second)?;
+    let (resid, input) = act2[..2 * n * row].split_at_mut(n * row);
+    quantize_par(k, pool, ty, &sp.resid[..x.len()], cols, resid)?;
+    input.copy_from_slice(&act[..n * row]);
     let (a, rest) = sp.out[..2 * total].split_at_mut(2 * widths[0]);
     let (b, c) = rest.split_at_mut(2 * widths[1]);
     matmul_many(k, pool, ws, &act2[..2 * n * row], 2 * n, [&mut *a, &mut *b, &mut *c])?;
     for (o, p) in outs.into_iter().zip([&*a, &*b, &*c]) {
-        let (p1, p2) = p.split_at(o.len());
-        for ((o, p1), p2) in o.iter_mut().zip(p1).zip(p2) {
-            *o = p1 + p2;
+        let (of_resid, of_input) = p.split_at(o.len());
+        for ((o, i), r) in o.iter_mut().zip(of_input).zip(of_resid) {
+            *o = i + r;
         }
     }
     Ok(())
@@ -746,6 +748,83 @@ fn swiglu_in_place(k: &Kernels, gate: &[f32], up: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::lanes::{LaneMath, LaneMatrix};
+    use crate::gguf::GgmlType;
+    use crate::quant::BlockQ8_0;
+
+    #[test]
+    fn the_split_product_is_the_inputs_product_plus_the_residuals_for_any_row_size() {
+        // `Q8_0` activations of 9 blocks are 306 bytes a row: a second part placed after an
+        // odd number of them would start unaligned (and a single-token step would fail).
+        let k = crate::cpu::kernels();
+        let pool = ThreadPool::new(2).expect("pool");
+        let (ty, cols, widths) = (GgmlType::Q8_0, 288, [32usize, 16, 16]);
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mats: Vec<Vec<BlockQ8_0>> = widths
+            .iter()
+            .map(|&rows| {
+                (0..rows * cols / 32)
+                    .map(|i| BlockQ8_0 {
+                        d: half::f16::from_f32(0.001 * (1 + i % 7) as f32),
+                        qs: std::array::from_fn(|_| rnd() as i8),
+                    })
+                    .collect()
+            })
+            .collect();
+        let bytes: Vec<&[u8]> = mats.iter().map(|m| bytemuck::cast_slice(m)).collect();
+        let lanes: Vec<LaneMatrix> = (0..3)
+            .map(|i| LaneMatrix::repack(LaneMath::Fast, ty, widths[i], cols, bytes[i]).unwrap())
+            .collect();
+        let plain: Vec<QMatrix<'_>> =
+            (0..3).map(|i| QMatrix::new(ty, widths[i], cols, bytes[i]).unwrap()).collect();
+        let laned: Vec<QMatrix<'_>> =
+            (0..3).map(|i| plain[i].with_lanes(&lanes[i]).unwrap()).collect();
+        let row = activation_bytes(ty, cols, 1).expect("row");
+        assert_eq!(row % 4, 2);
+        for ws in [&plain, &laned] {
+            let ws = [&ws[0], &ws[1], &ws[2]];
+            for n in [1usize, 2, 3, 17] {
+                let x: Vec<f32> =
+                    (0..n * cols).map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0).collect();
+                let mut act = vec![0u32; (n * row).div_ceil(4)];
+                let act = bytemuck::cast_slice_mut::<u32, u8>(&mut act);
+                quantize_activations(k, ty, &x, cols, act).unwrap();
+                let mut sp = SplitScratch {
+                    resid: vec![0.0; n * cols],
+                    act: vec![0; (2 * n * row).div_ceil(4)],
+                    out: vec![0.0; 2 * n * 64],
+                };
+                let mut got: Vec<Vec<f32>> = widths.iter().map(|w| vec![0.0; n * w]).collect();
+                let [q, kk, v] = &mut got[..] else { unreachable!() };
+                split_qkv(k, &pool, ws, &x, &act[..n * row], &mut sp, n, [q, kk, v]).unwrap();
+                // The twin: each part through the matrices on its own, then added.
+                let mut resid = x.clone();
+                let mut deq = vec![0.0; cols];
+                for (t, r) in resid.chunks_exact_mut(cols).enumerate() {
+                    crate::quant::dequantize_row(ty, &act[t * row..(t + 1) * row], &mut deq)
+                        .unwrap();
+                    r.iter_mut().zip(&deq).for_each(|(r, d)| *r -= d);
+                }
+                let mut ract = vec![0u32; (n * row).div_ceil(4)];
+                let ract = bytemuck::cast_slice_mut::<u32, u8>(&mut ract);
+                quantize_activations(k, ty, &resid, cols, ract).unwrap();
+                for (i, w) in ws.iter().enumerate() {
+                    let (mut a, mut r) = (vec![0.0; n * widths[i]], vec![0.0; n * widths[i]]);
+                    matmul(k, &pool, w, &act[..n * row], n, &mut a).unwrap();
+                    matmul(k, &pool, w, &ract[..n * row], n, &mut r).unwrap();
+                    let want: Vec<u32> = a.iter().zip(&r).map(|(a, r)| (a + r).to_bits()).collect();
+                    let have: Vec<u32> = got[i].iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(have, want, "matrix {i}, {n} tokens");
+                }
+            }
+        }
+    }
 
     #[test]
     fn balanced_pairs_cover_everything_in_runs_of_similar_cost() {

@@ -116,6 +116,8 @@ struct Worker {
     role: WorkerRole,
     /// Gone from discovery or draining: out of routing, but what it runs goes on.
     retired: bool,
+    /// The arithmetic its engines compute in (empty: mock engines).
+    arith: String,
 }
 
 /// What a request needs to be placed again.
@@ -559,6 +561,15 @@ impl State {
                 "this frontend routes blocks of {block_size} tokens, not {}",
                 r.block_size
             ))
+        } else if let Some(other) = self.workers.iter().find_map(|(&id, x)| {
+            (id != w && !x.arith.is_empty() && !r.arith.is_empty() && x.arith != r.arith)
+                .then_some(&x.arith)
+        }) {
+            Some(format!(
+                "this fleet's workers compute in the {other} arithmetic, not {}: give every \
+                 worker the same --arith",
+                r.arith
+            ))
         } else {
             None
         };
@@ -597,8 +608,16 @@ impl State {
             _ => self.router.add_worker(w),
         };
         self.seen_prefill |= role == WorkerRole::Prefill;
-        self.workers
-            .insert(w, Worker { conn, metrics: WorkerMetrics::default(), role, retired: false });
+        self.workers.insert(
+            w,
+            Worker {
+                conn,
+                metrics: WorkerMetrics::default(),
+                role,
+                retired: false,
+                arith: r.arith,
+            },
+        );
         if let Some(c) = self.conns.get_mut(&conn) {
             c.workers.push(w);
             tracing::info!(

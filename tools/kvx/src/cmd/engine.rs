@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
 use clap::builder::FalseyValueParser;
 use kvx_worker::{Arith, EngineKind, EngineLimits, EngineSetup, TierSetup};
@@ -65,11 +65,11 @@ pub(crate) struct EngineOpts {
     /// the base that `kvx eval perplexity --kl-divergence` measures the others against).
     #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "auto")]
     pub(crate) arith: ArithArg,
-    /// The same as `--arith exact`: llama.cpp's tokens, for parity work.
-    #[arg(long, env = "KVX_EXACT", value_parser = FalseyValueParser::new(), conflicts_with_all = ["arith", "fast_math"])]
+    /// `--arith exact`, over any `--arith` or `KVX_ARITH`: llama.cpp's tokens, for parity work.
+    #[arg(long, env = "KVX_EXACT", value_parser = FalseyValueParser::new())]
     pub(crate) exact: bool,
-    /// The same as `--arith fast`.
-    #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new(), conflicts_with = "arith")]
+    /// `--arith fast`, over any `--arith` or `KVX_ARITH`.
+    #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new())]
     pub(crate) fast_math: bool,
     /// Host memory per engine for KV blocks below its pool (tier G2), in bytes: every block
     /// the pool registers is copied there, and a prompt found there is loaded, not computed.
@@ -100,6 +100,7 @@ impl EngineOpts {
             if model_needed { Some(rt.store.resolve(self.model.as_deref())?) } else { None };
         let mut s = EngineSetup::new(kind, model, rt.kernels()?);
         s.arith = match (self.exact, self.fast_math) {
+            (true, true) => bail!("--exact and --fast-math ask for two arithmetics: give one"),
             (true, _) => Some(Arith::Exact),
             (_, true) => Some(Arith::Fast),
             _ => self.arith.0,

@@ -176,6 +176,11 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
     let started = prepared.start()?;
     let cfg = RemoteConfig {
         model: name.clone(),
+        arith: if mocker {
+            String::new()
+        } else {
+            prepared.setup().effective_arith().name().into()
+        },
         block_size: prepared.block_size(),
         heartbeat: args.plane.heartbeat(),
         heartbeat_timeout: args.plane.heartbeat_timeout(),

@@ -21,10 +21,14 @@ mod tests;
 
 /// Whether the CPU is AMD's and of family 1Ah or later (Zen 5 on), from CPUID leaves 0 and
 /// 1 ([`amd_family_1ah_or_later_of`]).
+#[allow(unused_unsafe)] // `__cpuid` is safe in recent Rust, unsafe in the declared minimum
 pub(crate) fn amd_family_1ah_or_later() -> bool {
     use std::arch::x86_64::__cpuid;
-    let l0 = __cpuid(0);
-    let eax1 = if l0.eax >= 1 { __cpuid(1).eax } else { 0 };
+    // SAFETY: CPUID exists on every x86-64 CPU; leaf 0 is always valid, and leaf 1 is read
+    // only where leaf 0 reports it.
+    let l0 = unsafe { __cpuid(0) };
+    // SAFETY: as above.
+    let eax1 = if l0.eax >= 1 { unsafe { __cpuid(1) }.eax } else { 0 };
     amd_family_1ah_or_later_of([l0.ebx, l0.edx, l0.ecx], eax1)
 }
 

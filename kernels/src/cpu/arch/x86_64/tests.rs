@@ -191,7 +191,7 @@ fn raw_elementwise_ops_match_reference() {
 fn amd_families_from_cpuid_signatures() {
     use super::amd_family_1ah_or_later_of as zen5;
     let amd = [0x6874_7541, 0x6974_6e65, 0x444d_4163];
-    let intel = [0x756e_6547, 0x6c65_746e, 0x4965_6e69]; // "GenuineIntel"
+    let intel = [0x756e_6547, 0x4965_6e69, 0x6c65_746e]; // "GenuineIntel"
     assert!(zen5(amd, 0x00B0_0F21)); // EPYC 9005 (Zen 5): family 0Fh + 0Bh
     assert!(zen5(amd, 0x00B4_0F40)); // Ryzen 9000 (Zen 5)
     assert!(!zen5(amd, 0x00A1_0F11)); // EPYC 9004 (Zen 4): family 19h
