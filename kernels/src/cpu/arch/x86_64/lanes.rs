@@ -271,26 +271,54 @@ fn fast<const KIND: u8, const T: usize>(
     for b in 0..job.w.nb() {
         prefetch_record(job, ahead, b, lpr);
         let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
-        for (acc, a) in acc.iter_mut().zip(&acts) {
-            let a = &a[b];
-            // Exact integers: any order of these additions gives the same sum, so the
-            // chain is split in two for latency.
-            let mut i0 = _mm512_set1_epi32(a.corr_sum);
-            let mut i1 = _mm512_setzero_si512();
-            for j in 0..4 {
-                i0 = _mm512_dpbusd_epi32(i0, wv[j], act4(a, j));
-                i1 = _mm512_dpbusd_epi32(i1, wv[4 + j], act4(a, 4 + j));
-            }
-            let i = _mm512_add_epi32(i0, i1);
-            let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, *acc);
-            if KIND == Q4_1 {
-                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *acc);
-            }
+        // The tokens written out one by one (`T` is a constant: the tests fold away), so
+        // that every accumulator stays in a register: left as a loop, LLVM keeps the
+        // `Q4_1` kernel's eight on the stack (a load and a store per token and block).
+        macro_rules! token {
+            ($t:literal) => {
+                if let (Some(acc), Some(a)) = (acc.get_mut($t), acts.get($t)) {
+                    fast_token::<KIND>(acc, &a[b], &wv, dw, mw);
+                }
+            };
         }
+        token!(0);
+        token!(1);
+        token!(2);
+        token!(3);
+        token!(4);
+        token!(5);
+        token!(6);
+        token!(7);
     }
     for (t, acc) in acc.iter().enumerate() {
         store(job, t0 + t, tile, *acc);
+    }
+}
+
+/// One token's block of a `Fast` product: `acc += f32(i) · (d_w · d_a)` with `i` the exact
+/// integer dot product, then `acc += m_w · s_a` for `Q4_1`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn fast_token<const KIND: u8>(
+    acc: &mut __m512,
+    a: &LaneAct,
+    wv: &[__m512i; 8],
+    dw: __m512,
+    mw: __m512,
+) {
+    // Exact integers: any order of these additions gives the same sum, so the chain is
+    // split in two for latency.
+    let mut i0 = _mm512_set1_epi32(a.corr_sum);
+    let mut i1 = _mm512_setzero_si512();
+    for j in 0..4 {
+        i0 = _mm512_dpbusd_epi32(i0, wv[j], act4(a, j));
+        i1 = _mm512_dpbusd_epi32(i1, wv[4 + j], act4(a, 4 + j));
+    }
+    let i = _mm512_add_epi32(i0, i1);
+    let d = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, *acc);
+    if KIND == Q4_1 {
+        *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), *acc);
     }
 }
 
