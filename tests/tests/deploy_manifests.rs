@@ -147,6 +147,21 @@ fn the_chart_refuses_values_that_cannot_work() {
     assert!(out.status.success(), "{}", text(&out));
     let yaml = String::from_utf8_lossy(&out.stdout);
     assert!(yaml.contains("\"[$(POD_IP)]:7300\"") && yaml.contains("\"[::]:7200\""), "{yaml}");
+
+    // The workers' arithmetic: unset, the config map's (what `kvx configure` pinned) rules;
+    // set, every worker gets it.
+    let mut cmd = Command::new(tool("KVX_HELM"));
+    cmd.args(["template", "kvx"]).arg(chart()).args(["--set", "config.KVX_ARITH=split"]);
+    let out = run(&mut cmd);
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !yaml.contains("name: KVX_ARITH"), "{yaml}");
+    assert!(yaml.contains("KVX_ARITH: \"split\"") || yaml.contains("KVX_ARITH: split"), "{yaml}");
+    let mut cmd = Command::new(tool("KVX_HELM"));
+    cmd.args(["template", "kvx"]).arg(chart()).args(["--set", "workers.arith=exact"]);
+    let out = run(&mut cmd);
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    let workers = yaml.matches("args: [\"worker\"").count();
+    assert!(workers > 0 && yaml.matches("name: KVX_ARITH").count() == workers, "{yaml}");
 }
 
 #[test]

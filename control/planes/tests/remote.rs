@@ -275,17 +275,17 @@ async fn a_worker_of_another_block_size_model_or_arithmetic_is_refused() {
         Scripted { stream: TcpStream::connect(&addr).await.expect("connect"), buf: Vec::new() }
     };
     let mut split = connect().await;
-    split.send(kind::REGISTER, &register(9, "split")).await;
+    split.send(kind::REGISTER, &register(9, "split/avx512")).await;
     let r: Registered = split.expect(kind::REGISTERED).await;
     assert!(r.accepted, "{}", r.reason);
     let mut exact = connect().await;
-    exact.send(kind::REGISTER, &register(10, "exact")).await;
+    exact.send(kind::REGISTER, &register(10, "exact/avx512")).await;
     let r: Registered = exact.expect(kind::REGISTERED).await;
-    assert!(!r.accepted && r.reason.contains("split arithmetic, not exact"), "{}", r.reason);
+    assert!(!r.accepted && r.reason.contains("split/avx512, not exact/avx512"), "{}", r.reason);
     drop(split);
     wait_for("the split worker to leave", || p.workers().is_empty()).await;
     let mut exact = connect().await;
-    exact.send(kind::REGISTER, &register(10, "exact")).await;
+    exact.send(kind::REGISTER, &register(10, "exact/avx512")).await;
     let r: Registered = exact.expect(kind::REGISTERED).await;
     assert!(r.accepted, "{}", r.reason);
 }

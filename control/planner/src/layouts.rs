@@ -747,14 +747,17 @@ impl Search {
             {
                 set("KVX_SPEEDUP_RATIO", speedup.to_string(), profiled.clone());
             }
-        } else if sh.kv_bytes_per_token > 0 {
+        } else {
             // The model label ends with the arithmetic profiled (`file:size:arith`): the
             // workers must compute in it, whatever `auto` would choose on their CPUs.
-            if let Some(arith) = sh.model.rsplit(':').next().filter(|a| {
-                sh.model.matches(':').count() >= 2 && a.chars().all(|c| c.is_ascii_lowercase())
-            }) {
+            let known = ["exact", "fast", "split", "reference"];
+            if let Some(arith) =
+                sh.model.rsplit_once(':').map(|(_, a)| a).filter(|a| known.contains(a))
+            {
                 set("KVX_ARITH", arith.into(), format!("the arithmetic {profiled}"));
             }
+        }
+        if sh.engine != "mocker" && sh.kv_bytes_per_token > 0 {
             let bytes = u64::from(sh.kv_blocks)
                 .saturating_mul(u64::from(sh.block_size))
                 .saturating_mul(sh.kv_bytes_per_token);

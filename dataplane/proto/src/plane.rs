@@ -145,9 +145,9 @@ pub struct Register {
     /// Where peers write its KV (decode workers), or how it writes others' (prefill).
     #[serde(default)]
     pub kv_peer: Option<KvPeer>,
-    /// The arithmetic its model engines compute in (`exact`, `split`, ...; empty for mock
-    /// engines): one fleet computes in one, or its KV blocks and tokens would differ by
-    /// worker.
+    /// The arithmetic its model engines compute in and the kernel level computing it
+    /// (`split/avx512`, `exact/avx2`, ...; empty for mock engines): one fleet computes in
+    /// one, or its KV blocks and tokens would differ by worker.
     #[serde(default)]
     pub arith: String,
 }
@@ -291,7 +291,7 @@ mod tests {
                 v_offset: 4096,
                 block_bytes: 512,
             }),
-            arith: "split".into(),
+            arith: "split/avx512".into(),
         };
         assert_eq!(round_trip(kind::REGISTER, &reg), reg);
         let ready = KvReady { worker_id: 7, id: RequestId(9), arrived: false };

@@ -83,7 +83,8 @@ impl Link {
 pub struct RemoteConfig {
     /// The served model's name, as the frontend knows it.
     pub model: String,
-    /// The arithmetic the model engines compute in (empty for mock engines).
+    /// The arithmetic the model engines compute in and their kernel level
+    /// (`split/avx512`; empty for mock engines).
     pub arith: String,
     /// Tokens per KV block.
     pub block_size: usize,

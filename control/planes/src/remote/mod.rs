@@ -561,13 +561,19 @@ impl State {
                 "this frontend routes blocks of {block_size} tokens, not {}",
                 r.block_size
             ))
-        } else if let Some(other) = self.workers.iter().find_map(|(&id, x)| {
-            (id != w && !x.arith.is_empty() && !r.arith.is_empty() && x.arith != r.arith)
-                .then_some(&x.arith)
-        }) {
+        } else if let Some(other) = {
+            // Workers leaving (retired) and those of a connection this one replaces (a
+            // restarted process whose old connection is not yet seen dead) do not count.
+            let replaced = self.workers.get(&w).map(|x| x.conn);
+            self.workers.iter().find_map(|(&id, x)| {
+                let counts = id != w && !x.retired && Some(x.conn) != replaced;
+                (counts && !x.arith.is_empty() && !r.arith.is_empty() && x.arith != r.arith)
+                    .then_some(&x.arith)
+            })
+        } {
             Some(format!(
-                "this fleet's workers compute in the {other} arithmetic, not {}: give every \
-                 worker the same --arith",
+                "this fleet's workers compute in {other}, not {}: give every worker the same \
+                 --arith (and kernel level)",
                 r.arith
             ))
         } else {

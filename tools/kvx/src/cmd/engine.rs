@@ -65,8 +65,9 @@ pub(crate) struct EngineOpts {
     /// the base that `kvx eval perplexity --kl-divergence` measures the others against).
     #[arg(long, env = "KVX_ARITH", value_parser = parse_arith, default_value = "auto")]
     pub(crate) arith: ArithArg,
-    /// `--arith exact`, over any `--arith` or `KVX_ARITH`: llama.cpp's tokens, for parity work.
-    #[arg(long, env = "KVX_EXACT", value_parser = FalseyValueParser::new())]
+    /// `--arith exact`, over any `--arith` or `KVX_ARITH`: llama.cpp's tokens, for parity work
+    /// (a flag of the command line only: a service sets `KVX_ARITH=exact`).
+    #[arg(long)]
     pub(crate) exact: bool,
     /// `--arith fast`, over any `--arith` or `KVX_ARITH`.
     #[arg(long, env = "KVX_FAST_MATH", value_parser = FalseyValueParser::new())]

@@ -179,7 +179,9 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
         arith: if mocker {
             String::new()
         } else {
-            prepared.setup().effective_arith().name().into()
+            // The kernel level too: `split` without row-lane kernels computes otherwise.
+            let s = prepared.setup();
+            format!("{}/{}", s.effective_arith().name(), s.kernels.level)
         },
         block_size: prepared.block_size(),
         heartbeat: args.plane.heartbeat(),

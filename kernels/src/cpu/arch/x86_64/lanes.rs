@@ -266,6 +266,7 @@ fn fast<const KIND: u8, const T: usize>(
     t0: usize,
     ahead: Option<usize>,
 ) {
+    const { assert!(T <= 8, "the tokens are written out for groups of at most 8") };
     let (acts, base, lpr) = tile_view::<KIND, T>(job, tile, t0);
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..job.w.nb() {
