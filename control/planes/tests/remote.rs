@@ -413,6 +413,28 @@ async fn the_frontend_dials_a_listening_worker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dialled_worker_that_ends_every_connection_at_once_is_redialled_with_backoff() {
+    // As a worker whose registration is refused looks from the dialling side: connections
+    // that end at once. They are retried with a growing delay (100 ms, 200, 400, ... up to
+    // 2 s), not ten times a second.
+    let (p, _) = plane(Duration::from_secs(2)).await;
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            drop(s);
+        }
+    });
+    p.dial(addr);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let n = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!((2..=7).contains(&n), "{n} connections in 2.5 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_and_decode_workers_serve_a_request_together() {
     let disagg = DisaggConfig { min_tokens: 0, ..DisaggConfig::default() };
     let (p, addr) = plane_with(Duration::from_secs(2), disagg).await;

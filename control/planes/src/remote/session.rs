@@ -67,9 +67,16 @@ pub(super) async fn dial_loop(
                     stream.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
                 match shared.cfg.auth.connect(stream, &addr).await {
                     Ok(stream) => {
-                        backoff = Duration::from_millis(100);
-                        warned = false;
+                        let began = tokio::time::Instant::now();
                         connection(shared.clone(), stream, peer, cancel.clone()).await;
+                        // A connection that served resets the backoff; one that ended at
+                        // once (a registration refused: another model, block size or
+                        // arithmetic) keeps it growing, or the worker is redialled and
+                        // refused ten times a second.
+                        if began.elapsed() >= Duration::from_secs(1) {
+                            backoff = Duration::from_millis(100);
+                            warned = false;
+                        }
                     }
                     Err(e) => {
                         if !warned {
