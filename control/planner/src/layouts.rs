@@ -747,15 +747,10 @@ impl Search {
             {
                 set("KVX_SPEEDUP_RATIO", speedup.to_string(), profiled.clone());
             }
-        } else {
-            // The model label ends with the arithmetic profiled (`file:size:arith`): the
-            // workers must compute in it, whatever `auto` would choose on their CPUs.
-            let known = ["exact", "fast", "split", "reference"];
-            if let Some(arith) =
-                sh.model.rsplit_once(':').map(|(_, a)| a).filter(|a| known.contains(a))
-            {
-                set("KVX_ARITH", arith.into(), format!("the arithmetic {profiled}"));
-            }
+        } else if !sh.arith.is_empty() {
+            // The workers compute in the arithmetic profiled, whatever `auto` would choose
+            // on their CPUs.
+            set("KVX_ARITH", sh.arith.clone(), format!("the arithmetic {profiled}"));
         }
         if sh.engine != "mocker" && sh.kv_bytes_per_token > 0 {
             let bytes = u64::from(sh.kv_blocks)
@@ -795,6 +790,7 @@ mod tests {
             shards: 1,
             threads_per_shard: threads,
             simd: "none".into(),
+            arith: String::new(),
             model: "m".into(),
             block_size: 16,
             kv_blocks: 1024,
@@ -997,17 +993,17 @@ mod tests {
             }
         }
         // A model engine's profile names its arithmetic; the settings pin it (an older
-        // label without one pins nothing).
-        for (label, want) in [("m.gguf:98362432:split", Some("split")), ("m.gguf:98362432", None)] {
+        // profile without one pins nothing).
+        for (arith, want) in [("split", Some("split")), ("", None)] {
             let mut real = mocker(1);
             real.shape.engine = "model".into();
-            real.shape.model = label.into();
+            real.shape.arith = arith.into();
             real.shape.kv_bytes_per_token = 23_040;
             let s = search(vec![WorkerKind::new("real".into(), real).unwrap()], work(), 2, 1);
             let s = s.unwrap();
             let set = s.settings(s.best().unwrap()).unwrap();
             let arith = set.iter().find(|s| s.key == "KVX_ARITH").map(|s| s.value.as_str());
-            assert_eq!(arith, want, "{label}");
+            assert_eq!(arith, want, "{want:?}");
         }
         // Workers of two cores: four of them on 8 cores.
         let wide = vec![WorkerKind::new("wide".into(), mocker(2)).unwrap()];

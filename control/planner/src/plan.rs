@@ -545,6 +545,7 @@ mod tests {
             shards: 1,
             threads_per_shard: 1,
             simd: "none".into(),
+            arith: String::new(),
             model: "test".into(),
             block_size: 16,
             kv_blocks: 8192,

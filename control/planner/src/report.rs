@@ -180,6 +180,7 @@ mod tests {
             shards: 1,
             threads_per_shard: 1,
             simd: "none".into(),
+            arith: String::new(),
             model: "<m & n>".into(),
             block_size: 16,
             kv_blocks: 64,

@@ -21,6 +21,10 @@ pub struct WorkerShape {
     pub threads_per_shard: u32,
     /// Kernel instruction set (`avx512`, `avx2`, `scalar`; `none` for the mocker).
     pub simd: String,
+    /// The arithmetic the engines computed in (`exact`, `split`, ...; empty for the mocker
+    /// and for profiles written before it was recorded).
+    #[serde(default)]
+    pub arith: String,
     /// The model's file name, size and arithmetic (`file:size:arith`; the mocker's timing
     /// model for mocks).
     pub model: String,
@@ -265,6 +269,7 @@ mod tests {
             shards: 1,
             threads_per_shard: 1,
             simd: "none".into(),
+            arith: String::new(),
             model: "mocker".into(),
             block_size: 16,
             kv_blocks: 1024,

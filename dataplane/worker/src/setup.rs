@@ -583,6 +583,18 @@ impl Prepared {
         limit
     }
 
+    /// The arithmetic and kernel level the engines compute in, as a worker registers it with
+    /// its frontend (`split/avx512`; empty for mock engines): `split` without row-lane
+    /// kernels computes otherwise than with them.
+    pub fn arith_label(&self) -> String {
+        match self.setup.kind {
+            EngineKind::Mocker => String::new(),
+            EngineKind::Model => {
+                format!("{}/{}", self.setup.effective_arith().name(), self.setup.kernels.level)
+            }
+        }
+    }
+
     /// The model's name as discovery and profiles record it: its file name, size and the
     /// arithmetic its engines compute in (profiles of different arithmetics do not mix), or
     /// `mocker` for mock engines without a model.

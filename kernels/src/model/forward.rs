@@ -84,7 +84,7 @@ pub struct Scratch {
 }
 
 /// Buffers of the split Q/K/V product: the input's residual after its quantization, both
-/// parts quantized (the input's rows, then the residual's), and the products of both (Q, K,
+/// parts quantized (the residual's rows, then the input's), and the products of both (Q, K,
 /// V one after another, each `2n` rows).
 #[derive(Default)]
 struct SplitScratch {

@@ -545,6 +545,20 @@ impl State {
         }
     }
 
+    /// The arithmetic of a worker in routing that `arith` (worker `w`'s) differs from, if
+    /// any: workers leaving (retired), and those of the connection `w` replaces (a
+    /// restarted process whose old connection is not yet seen dead), do not count; mock
+    /// workers (empty) differ from none.
+    fn other_arith(&self, w: WorkerId, arith: &str) -> Option<&str> {
+        let replaced = self.workers.get(&w).map(|x| x.conn);
+        let counts = |id: WorkerId, x: &Worker| id != w && !x.retired && Some(x.conn) != replaced;
+        self.workers
+            .iter()
+            .find(|&(&id, x)| counts(id, x) && !x.arith.is_empty() && x.arith != arith)
+            .filter(|_| !arith.is_empty())
+            .map(|(_, x)| x.arith.as_str())
+    }
+
     fn on_register(
         &mut self,
         conn: u64,
@@ -561,16 +575,7 @@ impl State {
                 "this frontend routes blocks of {block_size} tokens, not {}",
                 r.block_size
             ))
-        } else if let Some(other) = {
-            // Workers leaving (retired) and those of a connection this one replaces (a
-            // restarted process whose old connection is not yet seen dead) do not count.
-            let replaced = self.workers.get(&w).map(|x| x.conn);
-            self.workers.iter().find_map(|(&id, x)| {
-                let counts = id != w && !x.retired && Some(x.conn) != replaced;
-                (counts && !x.arith.is_empty() && !r.arith.is_empty() && x.arith != r.arith)
-                    .then_some(&x.arith)
-            })
-        } {
+        } else if let Some(other) = self.other_arith(w, &r.arith) {
             Some(format!(
                 "this fleet's workers compute in {other}, not {}: give every worker the same \
                  --arith (and kernel level)",

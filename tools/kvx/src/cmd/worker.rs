@@ -176,13 +176,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
     let started = prepared.start()?;
     let cfg = RemoteConfig {
         model: name.clone(),
-        arith: if mocker {
-            String::new()
-        } else {
-            // The kernel level too: `split` without row-lane kernels computes otherwise.
-            let s = prepared.setup();
-            format!("{}/{}", s.effective_arith().name(), s.kernels.level)
-        },
+        arith: prepared.arith_label(),
         block_size: prepared.block_size(),
         heartbeat: args.plane.heartbeat(),
         heartbeat_timeout: args.plane.heartbeat_timeout(),
