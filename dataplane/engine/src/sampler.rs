@@ -214,8 +214,14 @@ impl Sampler {
             }
             // The whole vocabulary's probabilities, from the kernels' softmax (vectorized
             // `exp`): a draw over a 50k vocabulary costs tens of microseconds, not hundreds.
+            // Tokens more than [`NEGLIGIBLE`] tempered nats below the best get probability
+            // 0 first: the draw cannot resolve them, and their f32 `exp`s would be
+            // subnormal, which x86 cores compute in microcode (a mocker's flat tail or a cold
+            // temperature made a draw cost 0.36 ms instead of 0.04).
+            let floor = best_logit - NEGLIGIBLE * params.temperature;
             self.probs.clear();
-            self.probs.extend_from_slice(logits);
+            self.probs
+                .extend(logits.iter().map(|&l| if l < floor { f32::NEG_INFINITY } else { l }));
             (kvx_kernels::cpu::kernels().softmax)(&mut self.probs, inv_t);
             let chosen = if params.top_p >= 1.0 {
                 self.draw_in_id_order(params, state, best)
@@ -390,6 +396,12 @@ impl Sampler {
         out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
     }
 }
+
+/// How far below the best token, in tempered nats, a token still gets a probability in a
+/// draw over the whole vocabulary: e^-70 ≈ 4e-31 of the best, far below the 2^-53 a draw's
+/// f64 random number resolves, and even after normalization over a vocabulary of 10^7 a
+/// normal f32 (no subnormal arithmetic).
+const NEGLIGIBLE: f32 = 70.0;
 
 /// Probabilities a draw skips at a time by their sum.
 const WALK: usize = 64;
@@ -657,6 +669,30 @@ mod tests {
             let freq =
                 draws.iter().filter(|&&x| x as usize == t).count() as f64 / draws.len() as f64;
             assert!((freq - w[t] / zn).abs() < 0.03, "token {t}: {freq} vs {}", w[t] / zn);
+        }
+    }
+
+    #[test]
+    fn a_far_tail_is_dropped_before_the_softmax_and_no_probability_is_subnormal() {
+        // A mocker's row (one token 100 above a flat tail) and a cold temperature's: the
+        // tail's probabilities would be e^-100 and e^-400, subnormal in f32.
+        let n = 50_000;
+        let mut logits = vec![0.0f32; n];
+        logits[777] = 100.0;
+        logits[4242] = 40.0;
+        let mut s = Sampler::new(n);
+        for (t, seed) in [(1.0f32, 1u64), (0.25, 2), (2.0, 3)] {
+            let p = SamplingParams { temperature: t, seed: Some(seed), ..Default::default() };
+            let mut st = SamplerState::new(&p, 0);
+            for _ in 0..20 {
+                assert_eq!(s.sample(&p, &mut st, &logits, false).token, 777);
+            }
+            assert!(s.probs.iter().all(|p| !p.is_subnormal()), "temperature {t}");
+            // Within reach (60 nats at temperature 1, 30 at 2): kept, not zeroed.
+            let kept = s.probs[4242];
+            assert_eq!(kept > 0.0, t >= 1.0, "temperature {t}: {kept}");
+            // The flat tail is beyond reach below temperature 1.43 (100 > 70·t).
+            assert_eq!(s.probs[0] > 0.0, t * NEGLIGIBLE > 100.0, "temperature {t}");
         }
     }
 
