@@ -7,7 +7,7 @@
 //! (cache blocks scattered by a fixed permutation).
 //! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4);
 //! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`);
-//! `BS` sets the tokens per cache block (16).
+//! `BS` sets the tokens per cache block (16); `ATTN=ggml` keeps ggml's attention under `fast`.
 
 #![allow(clippy::disallowed_methods)] // an example reads its settings from the environment
 
@@ -40,6 +40,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut model = LlamaModel::load(file.clone())?;
         if let Some(math) = math {
             model.repack(k, math)?;
+            // `fast` as `--arith fast` runs it (free attention; `ATTN=ggml` keeps ggml's).
+            model.free_attention =
+                math == LaneMath::Fast && std::env::var("ATTN").as_deref() != Ok("ggml");
         }
         let name = math.map_or("ggml tiles".to_string(), |m| format!("row-lane {m:?}"));
         profile(&model, k, &pool, n_tok, seqs, &name)?;

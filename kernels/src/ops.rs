@@ -551,6 +551,82 @@ pub fn attention_group(
     Ok(())
 }
 
+/// [`attention_group`] in the free association of the non-exact arithmetics
+/// ([`crate::model::Arith::Fast`], [`crate::model::Arith::Split`]): nearer the model's own
+/// math than ggml's, which rounds the query and the probabilities to f16, and one
+/// association for prompt and decode tokens (`mode` only says whether the rows are read
+/// once, for prefetching). Each head's output has the bits [`attention_free_twin`] gives
+/// it, by the level's fused kernel ([`Kernels::attn_free`]); where the level has none for
+/// these shapes, this is [`attention_group`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_free_group(
+    k: &Kernels,
+    mode: AttnMode,
+    q: &[f32],
+    heads: usize,
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+    next: Option<&NextRows<'_>>,
+    sc: &mut AttnScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if let Some(fused) = k.attn_free
+        && heads <= MAX_ATTN_GROUP
+    {
+        let softmax = k.softmax;
+        let job = AttnHeadJob { mode, q, heads, keys, values, n_pos, scale, softmax, next };
+        if fused(&job, sc, out) {
+            return Ok(());
+        }
+    }
+    attention_group(k, mode, q, heads, keys, values, n_pos, scale, next, sc, out)
+}
+
+/// One query head's attention in the free association, the definition of
+/// [`Kernels::attn_free`]'s bits: each score is `q · k` over 16 lanes (element `i` in lane
+/// `i % 16`, one fused multiply-add each in order from zero, the lanes then added as
+/// `_mm512_reduce_add_ps` adds them: `a[i] = v[i] + v[i + 8]`, `b[i] = a[i] + a[i + 4]`,
+/// `(b0 + b2) + (b1 + b3)`), the level's softmax of the scores times `scale`, and each output
+/// dimension one fused multiply-add per position in order from zero (the level's
+/// `axpy_f16`). Queries and probabilities stay f32.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_free_twin(
+    k: &Kernels,
+    q: &[f32],
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+    sc: &mut AttnScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_attention(q, keys, values, n_pos, sc, out)?;
+    let missing = KernelError::Shape("block table shorter than the sequence");
+    let scores = &mut sc.scores[..n_pos];
+    for (p, s) in scores.iter_mut().enumerate() {
+        *s = dot_lanes16(q, keys.row(p).ok_or(missing)?);
+    }
+    (k.softmax)(scores, scale);
+    out.fill(0.0);
+    for (p, &w) in scores.iter().enumerate() {
+        (k.axpy_f16)(w, values.row(p).ok_or(missing)?, out);
+    }
+    Ok(())
+}
+
+/// `q · k` in 16 lanes, as [`attention_free_twin`] defines it.
+fn dot_lanes16(q: &[f32], k: &[f16]) -> f32 {
+    let mut v = [0.0f32; 16];
+    for (i, (a, b)) in q.iter().zip(k).enumerate() {
+        v[i % 16] = a.mul_add(b.to_f32(), v[i % 16]);
+    }
+    let a: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
+    let b: [f32; 4] = std::array::from_fn(|i| a[i] + a[i + 4]);
+    (b[0] + b[2]) + (b[1] + b[3])
+}
+
 /// The operand sizes [`attention`] and [`attention_generic`] need.
 fn check_attention(
     q: &[f32],

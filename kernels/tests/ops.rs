@@ -620,6 +620,156 @@ fn grouped_attention_is_bit_identical_per_head() {
     }
 }
 
+/// The free association ([`ops::attention_free_group`], the non-exact arithmetics): the
+/// level's fused kernel gives every head of a group the bits of [`ops::attention_free_twin`]
+/// for that head alone, in both modes (one association for prompts and decode), over head
+/// sizes the kernel covers and does not, block sizes that do and do not divide 16, lengths
+/// around multiples of 16, with the next unit's rows named; and the twin itself is nearer the
+/// exact f64 attention than ggml's association is allowed to be (no f16 roundings).
+#[test]
+fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
+    let mut rng = rng(67);
+    let mut fused_runs = 0;
+    for k in levels() {
+        for hd in [16usize, 64, 128, 80, 256, 40] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            for block_size in [1usize, 7, 16] {
+                for n_pos in [1usize, 2, 15, 16, 17, 64, 100, 257] {
+                    let c = make_cache(&mut rng, n_pos, block_size, 2, hd);
+                    let mut sc = AttnScratch::new(hd, 300);
+                    let mut sc2 = AttnScratch::new(hd, 300);
+                    let head = |data| PagedHead {
+                        data,
+                        block_table: &c.table,
+                        block_size,
+                        block_stride: 2 * block_size * hd,
+                        head_dim: hd,
+                        kv_head: 1,
+                    };
+                    let (keys, values) = (head(&c.keys[..]), head(&c.values[..]));
+                    for heads in 1..=4 {
+                        let q: Vec<f32> = match heads {
+                            2 => randv(&mut rng, heads * hd).iter().map(|v| v * 8.0).collect(),
+                            _ => randv(&mut rng, heads * hd),
+                        };
+                        let next = ops::NextRows { keys, values, n_pos: n_pos + 40 };
+                        let mut by_mode = Vec::new();
+                        for mode in [AttnMode::Decode, AttnMode::Prefill] {
+                            let mut got = vec![f32::NAN; heads * hd];
+                            ops::attention_free_group(
+                                &k,
+                                mode,
+                                &q,
+                                heads,
+                                &keys,
+                                &values,
+                                n_pos,
+                                scale,
+                                Some(&next),
+                                &mut sc,
+                                &mut got,
+                            )
+                            .unwrap();
+                            by_mode.push(got);
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        // Where the level has no kernel for the shape: ggml's association.
+                        let fused = k.attn_free.is_some() && hd % 16 == 0;
+                        if !fused {
+                            for (mode, got) in
+                                [AttnMode::Decode, AttnMode::Prefill].iter().zip(&by_mode)
+                            {
+                                let mut want = vec![f32::NAN; heads * hd];
+                                ops::attention_group(
+                                    &k, *mode, &q, heads, &keys, &values, n_pos, scale, None,
+                                    &mut sc2, &mut want,
+                                )
+                                .unwrap();
+                                assert_eq!(bits(got), bits(&want), "{} hd={hd}", k.level);
+                            }
+                        } else {
+                            assert_eq!(bits(&by_mode[0]), bits(&by_mode[1]), "{} hd={hd}", k.level);
+                        }
+                        for (g, (qh, got)) in
+                            q.chunks_exact(hd).zip(by_mode[0].chunks_exact(hd)).enumerate()
+                        {
+                            let mut want = vec![f32::NAN; hd];
+                            ops::attention_free_twin(
+                                &k, qh, &keys, &values, n_pos, scale, &mut sc2, &mut want,
+                            )
+                            .unwrap();
+                            if fused {
+                                assert_eq!(
+                                    bits(got),
+                                    bits(&want),
+                                    "{} hd={hd} bs={block_size} n_pos={n_pos} {heads} heads, head {g}",
+                                    k.level
+                                );
+                                fused_runs += 1;
+                            }
+                            let mut exact = vec![0.0f32; hd];
+                            ops::attention_reference(qh, &keys, &values, n_pos, scale, &mut exact)
+                                .unwrap();
+                            let bound = free_attention_bound(qh, &keys, &values, n_pos, scale);
+                            for d in 0..hd {
+                                let err = (f64::from(want[d]) - f64::from(exact[d])).abs();
+                                assert!(
+                                    err <= bound[d],
+                                    "{} hd={hd} n_pos={n_pos} d={d}: {} vs {} (bound {:e})",
+                                    k.level,
+                                    want[d],
+                                    exact[d],
+                                    bound[d]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if kvx_kernels::cpu::SimdLevel::detect() == kvx_kernels::cpu::SimdLevel::Avx512 {
+        assert!(fused_runs > 0, "the AVX-512 table has a free attention kernel");
+    }
+}
+
+/// [`attention_bound`] without ggml's f16 roundings (of the query and the probabilities):
+/// the f32 scores' sums, the softmax's `exp` and normalization (a few ulps), and the f32
+/// weighted sums.
+fn free_attention_bound(
+    q: &[f32],
+    keys: &PagedHead<'_>,
+    values: &PagedHead<'_>,
+    n_pos: usize,
+    scale: f32,
+) -> Vec<f64> {
+    let scale = f64::from(scale);
+    let mut s = vec![0.0f64; n_pos];
+    let mut ds_max = 0.0f64;
+    for (p, s) in s.iter_mut().enumerate() {
+        let kr = keys.row(p).unwrap();
+        let (mut dot, mut mag) = (0.0, 0.0);
+        for (&a, b) in q.iter().zip(kr) {
+            let b = f64::from(b.to_f32());
+            dot += f64::from(a) * b;
+            mag += f64::from(a).abs() * b.abs();
+        }
+        *s = dot * scale;
+        ds_max = ds_max.max(scale * (q.len() as f64 + 16.0) * EPS * mag);
+    }
+    let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
+    let rel = (2.0 * ds_max).exp_m1() + (n_pos as f64 + 64.0) * EPS;
+    let mut bound = vec![0.0f64; values.head_dim];
+    for (p, v) in s.iter().enumerate() {
+        let prob = (v - max).exp() / z;
+        for (b, x) in bound.iter_mut().zip(values.row(p).unwrap()) {
+            *b += (rel * prob + 1e-30) * f64::from(x.to_f32()).abs();
+        }
+    }
+    bound
+}
+
 /// Per output dimension, how far the kernel may be from the exact f64 attention: the query
 /// is rounded to f16 before `q·k` (changing each score by at most `scale · Σ|Δq||k|`, which
 /// moves each probability by a factor within `e^{±2 max Δs}`), the probabilities are rounded

@@ -49,6 +49,7 @@ fn every_table_slot_has_a_parity_test() {
             rope_norm: _,     // rope_*
             rope_neox: _,     // rope_*
             attn_head: _,     // tests/ops.rs fused_attention_*
+            attn_free: _,     // tests/ops.rs free_attention_*
             gemm: _,          // tests/matmul_exact.rs
             lanes: _,         // tests/matmul_lanes.rs
         } = k;

@@ -438,6 +438,7 @@ impl EngineSetup {
                     tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
                 }
                 model.split_qkv = arith.split_qkv();
+                model.free_attention = arith.free_attention();
                 if model.split_qkv && !model.can_split_qkv() {
                     return Err(SetupError::Invalid(format!(
                         "--arith split: the Q/K/V products of {} do not share one activation \

@@ -170,6 +170,10 @@ pub struct Kernels {
     /// the generic path built from the entries above ([`crate::ops::attention_generic`]);
     /// `None` where the level has no fused kernel.
     pub attn_head: Option<attn::AttnHeadFn>,
+    /// The query heads of one KV head in the free association of the non-exact arithmetics,
+    /// with the bits of [`crate::ops::attention_free_twin`]; `None` where the level has no
+    /// such kernel (the free arithmetics then attend in ggml's association).
+    pub attn_free: Option<attn::AttnHeadFn>,
     /// Matrix products over tiles of rows × tokens, bit-identical to the dot products above
     /// (used by [`crate::ops::matmul`]; types without an entry use the dot products).
     pub gemm: gemm::Gemm,

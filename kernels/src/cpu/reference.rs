@@ -38,6 +38,7 @@ pub const KERNELS: Kernels = Kernels {
     rope_norm: super::rope::rope_norm,
     rope_neox: super::rope::rope_neox,
     attn_head: None,
+    attn_free: None,
     gemm: super::gemm::Gemm::NONE,
     lanes: None,
 };

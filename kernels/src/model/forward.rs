@@ -12,8 +12,8 @@ use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::cpu::disjoint::{DisjointBytes, DisjointOut};
 use crate::ops::{
-    self, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_group, matmul, matmul_many,
-    quantize_activations,
+    self, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_free_group, attention_group,
+    matmul, matmul_many, quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
 
@@ -386,6 +386,7 @@ impl LlamaModel {
             let kvc = &*kv;
             let (tok, q, per_thread, bounds) = (&s.tok, &s.q, &s.per_thread, &s.attn_bounds);
             let failed = std::sync::atomic::AtomicBool::new(false);
+            let free = self.free_attention;
             let job = |i: usize, nt: usize| {
                 let Ok(mut sc) = per_thread[i].lock() else {
                     failed.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -419,8 +420,8 @@ impl LlamaModel {
                     let mode = chunks[ci as usize].mode;
                     let n_pos = pos as usize + 1;
                     let next = next.as_ref();
-                    if attention_group(k, mode, qh, per, &keys, &values, n_pos, scale, next, sc, o)
-                        .is_err()
+                    let attend = if free { attention_free_group } else { attention_group };
+                    if attend(k, mode, qh, per, &keys, &values, n_pos, scale, next, sc, o).is_err()
                     {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     }

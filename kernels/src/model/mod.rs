@@ -28,8 +28,10 @@ pub enum Arith {
     /// f16-rounded queries and attention probabilities): llama.cpp's logits bit for bit.
     #[default]
     Exact = 0,
-    /// As `Exact`, with the quantized products rounded once per block and row
-    /// ([`LaneMath::Fast`]) where the CPU has row-lane kernels.
+    /// The quantized products rounded once per block and row ([`LaneMath::Fast`]) where the
+    /// CPU has row-lane kernels, and attention in f32 queries and probabilities
+    /// ([`crate::ops::attention_free_group`]) where it has a kernel for it; otherwise as
+    /// `Exact`.
     Fast = 1,
     /// As `Fast`, with the Q/K/V products' input quantized in two parts
     /// ([`LlamaModel::split_qkv`]): those products (16 % of a token's multiply-adds) cost
@@ -73,6 +75,11 @@ impl Arith {
     /// Whether the Q/K/V products take their input in two parts ([`LlamaModel::split_qkv`]).
     pub fn split_qkv(self) -> bool {
         self == Arith::Split
+    }
+
+    /// Whether attention runs in the free association ([`LlamaModel::free_attention`]).
+    pub fn free_attention(self) -> bool {
+        matches!(self, Arith::Fast | Arith::Split)
     }
 }
 

@@ -99,6 +99,10 @@ pub struct LlamaModel {
     /// [`Scratch`](super::Scratch) is made for the model, only where
     /// [`LlamaModel::can_split_qkv`].
     pub split_qkv: bool,
+    /// Whether attention runs in the free association ([`crate::ops::attention_free_group`]:
+    /// f32 queries and probabilities) rather than ggml's: set by the non-exact arithmetics
+    /// ([`Arith::free_attention`](super::Arith::free_attention)).
+    pub free_attention: bool,
 }
 
 impl LlamaModel {
@@ -153,6 +157,7 @@ impl LlamaModel {
             layers,
             head_screen: None,
             split_qkv: false,
+            free_attention: false,
         };
         // Every matrix must be viewable: this checks types, sizes and alignment once.
         model.view(&model.tok_embd)?;

@@ -29,6 +29,7 @@ pub fn model_in(arith: Arith) -> Arc<LlamaModel> {
     let math = arith.lane_math().unwrap_or(LaneMath::Exact);
     model.repack(cpu::kernels(), math).expect("repack");
     model.split_qkv = arith.split_qkv();
+    model.free_attention = arith.free_attention();
     Arc::new(model)
 }
 

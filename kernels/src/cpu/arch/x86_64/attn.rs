@@ -21,10 +21,16 @@
 //!
 //! The softmax and both f16 roundings are the level's kernels, unchanged.
 //!
+//! [`attn_free_512`] is the same work in the free association of the non-exact arithmetics
+//! ([`crate::ops::attention_free_twin`] defines its bits): f32 queries and probabilities,
+//! one 16-lane accumulator per score, and the weighted values summed row by row in order
+//! with every accumulator in registers — the value rows are read once, in order, instead
+//! of once per class and 16 dimensions.
+//!
 //! # Safety
-//! [`imp_attn_head_512`] requires AVX-512 F/BW/DQ/VL; it is reachable only through the
-//! safe wrapper installed by [`super::exact::patch_avx512`] into a table whose level
-//! was detected on this CPU. Every load reads from a slice whose length was checked.
+//! [`imp_attn_head_512`] and [`imp_attn_free_512`] require AVX-512 F/BW/DQ/VL; they are
+//! reachable only through the safe wrappers installed by [`super::exact::patch_avx512`]
+//! into a table whose level was detected on this CPU. Every load reads from a slice whose length was checked.
 
 use std::arch::x86_64::*;
 
@@ -474,5 +480,173 @@ fn pv_classes_any<const W: usize>(
 ) {
     for (w, classes) in w.chunks_exact(n.max(1)).zip(classes.chunks_exact_mut(step * vd)) {
         pv_classes::<W, 1>(w, n, values, offs, d0, step, vd, classes);
+    }
+}
+
+/// The safe entry of the free-association kernel installed in the AVX-512 table
+/// ([`crate::cpu::Kernels::attn_free`]).
+pub(crate) fn attn_free_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
+    // SAFETY: installed only into the table of a detected AVX-512 level (module docs).
+    unsafe { imp_attn_free_512(job, sc, out) }
+}
+
+/// Attention of a group of query heads in the free association of
+/// [`crate::ops::attention_free_twin`], with its bits: f32 queries; each score one 16-lane
+/// accumulator of fused multiply-adds over the head's 16-element chunks, reduced as
+/// `_mm512_reduce_add_ps` reduces (by [`reduce16`], 16 keys at once); the level's softmax;
+/// each output dimension one fused multiply-add per position, in position order, from
+/// zero. Value rows are read once, in order, for every head and dimension of the group
+/// (64 dimensions per pass), with the accumulators in registers.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn imp_attn_free_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
+    let (keys, values, n, gn) = (job.keys, job.values, job.n_pos, job.heads);
+    let (hd, vd) = (keys.head_dim, values.head_dim);
+    if !hd.is_multiple_of(16)
+        || hd == 0
+        || hd > MAX_HEAD
+        || !vd.is_multiple_of(16)
+        || vd == 0
+        || vd > MAX_HEAD
+        || gn == 0
+        || gn > MAX_GROUP
+        || job.q.len() != gn * hd
+        || out.len() != gn * vd
+        || n == 0
+        || sc.scores.len() < gn * n
+        || sc.offs.len() < n
+    {
+        return false;
+    }
+    let decode = job.mode == AttnMode::Decode;
+
+    let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
+    for (g, qv) in qa.iter_mut().enumerate().take(gn) {
+        for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
+            *q = load16(&job.q[g * hd + 16 * i..]);
+        }
+    }
+    let offs = &mut sc.offs[..n];
+    if !row_offsets(keys, offs) {
+        return false;
+    }
+    let same_layout = vd == hd
+        && std::ptr::eq(keys.block_table, values.block_table)
+        && keys.block_size == values.block_size
+        && keys.block_stride == values.block_stride
+        && keys.kv_head == values.kv_head
+        && keys.data.len() == values.data.len();
+
+    let scores = &mut sc.scores[..gn * n];
+    let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
+    let mut p0 = 0;
+    let parts = n.div_ceil(16);
+    while p0 < n {
+        let m = (n - p0).min(16);
+        if let Some(next) = job.next {
+            next.prefetch_part(p0 / 16, parts);
+        }
+        let ko = &offs[p0..p0 + m];
+        // As in the exact kernel: a decode token's rows come from scattered blocks once.
+        if decode {
+            let next = &offs[(p0 + 16).min(n)..(p0 + 32).min(n)];
+            prefetch_rows::<_MM_HINT_T0>(keys.data, next, hd);
+            if same_layout {
+                prefetch_rows::<_MM_HINT_T1>(values.data, ko, vd);
+            }
+        }
+        let a = &mut acc;
+        match (hd, gn) {
+            (64, 1) => keys16::<4, true, 1>(&qa, keys.data, ko, a),
+            (64, 2) => keys16::<4, true, 2>(&qa, keys.data, ko, a),
+            (64, 3) => keys16::<4, true, 3>(&qa, keys.data, ko, a),
+            (64, _) => keys16::<4, true, 4>(&qa, keys.data, ko, a),
+            (128, 1) => keys16::<8, true, 1>(&qa, keys.data, ko, a),
+            (128, 2) => keys16::<8, true, 2>(&qa, keys.data, ko, a),
+            _ => keys16_any(&qa, gn, hd / 16, keys.data, ko, true, a),
+        }
+        for (g, acc) in acc.iter().enumerate().take(gn) {
+            // Keys past `m` hold stale sums; their lanes are dropped.
+            let s = reduce16(acc);
+            let dst = &mut scores[g * n + p0..g * n + p0 + m];
+            if m == 16 {
+                store16(dst, s);
+            } else {
+                let mut buf = [0.0f32; 16];
+                store16(&mut buf, s);
+                dst.copy_from_slice(&buf[..m]);
+            }
+        }
+        p0 += m;
+    }
+    if !same_layout && !row_offsets(values, offs) {
+        return false;
+    }
+    for head in scores.chunks_exact_mut(n) {
+        (job.softmax)(head, job.scale);
+    }
+    let offs = &sc.offs[..n];
+    for d0 in (0..vd).step_by(64) {
+        let pv = match ((vd - d0) / 16, gn) {
+            (1, _) => pv_rows_any::<1>,
+            (2, _) => pv_rows_any::<2>,
+            (3, _) => pv_rows_any::<3>,
+            (_, 1) => pv_rows::<4, 1>,
+            (_, 2) => pv_rows::<4, 2>,
+            (_, 3) => pv_rows::<4, 3>,
+            _ => pv_rows::<4, 4>,
+        };
+        pv(scores, n, values.data, offs, d0, vd, out);
+    }
+    true
+}
+
+/// Dimensions `d0..d0 + 16 W` of `G` heads' weighted values: `out[g * vd + d] = Σ_p
+/// w[g * n + p] · v_p[d]`, one fused multiply-add per position in order from zero, every
+/// value row loaded once for the group.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn pv_rows<const W: usize, const G: usize>(
+    w: &[f32],
+    n: usize,
+    values: &[f16],
+    offs: &[usize],
+    d0: usize,
+    vd: usize,
+    out: &mut [f32],
+) {
+    if w.len() < G * n || offs.len() < n || out.len() < G * vd || d0 + 16 * W > vd {
+        return;
+    }
+    let mut acc = [[_mm512_setzero_ps(); W]; G];
+    for (p, &o) in offs.iter().enumerate().take(n) {
+        let v = &values[o + d0..o + d0 + 16 * W];
+        let vv: [__m512; W] = std::array::from_fn(|k| load_h16(&v[16 * k..]));
+        for (g, acc) in acc.iter_mut().enumerate() {
+            let wv = _mm512_set1_ps(w[g * n + p]);
+            for (a, v) in acc.iter_mut().zip(&vv) {
+                *a = _mm512_fmadd_ps(wv, *v, *a);
+            }
+        }
+    }
+    for (g, acc) in acc.iter().enumerate() {
+        for (k, a) in acc.iter().enumerate() {
+            store16(&mut out[g * vd + d0 + 16 * k..], *a);
+        }
+    }
+}
+
+/// [`pv_rows`] for groups of any size up to [`MAX_GROUP`] (head by head).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn pv_rows_any<const W: usize>(
+    w: &[f32],
+    n: usize,
+    values: &[f16],
+    offs: &[usize],
+    d0: usize,
+    vd: usize,
+    out: &mut [f32],
+) {
+    for (w, out) in w.chunks_exact(n.max(1)).zip(out.chunks_exact_mut(vd)) {
+        pv_rows::<W, 1>(w, n, values, offs, d0, vd, out);
     }
 }

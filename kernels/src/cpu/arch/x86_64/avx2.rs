@@ -95,6 +95,7 @@ pub(crate) fn kernels() -> Kernels {
         rope_norm,
         rope_neox,
         attn_head: None,
+        attn_free: None,
         gemm: crate::cpu::gemm::Gemm::NONE,
         lanes: None,
     }

@@ -53,6 +53,7 @@ pub(crate) fn patch_avx512(k: &mut Kernels) {
     k.swiglu = swiglu_512;
     k.axpy_f16 = fma_f16_avx2;
     k.attn_head = Some(super::attn::attn_head_512);
+    k.attn_free = Some(super::attn::attn_free_512);
 }
 
 fn f32_bits(b: u32) -> f32 {
