@@ -524,6 +524,11 @@ impl EngineSetup {
             buf.extend_from_slice(&(v as u64).to_le_bytes());
         }
         buf.extend_from_slice(self.kernels.level.name().as_bytes());
+        if arith.free_attention() && self.kernels.attn_free.is_some() {
+            // Blocks an earlier build computed with ggml's attention in this arithmetic are
+            // not these bits.
+            buf.extend_from_slice(b"free attention");
+        }
         Ok(xxhash_rust::xxh3::xxh3_64(&buf))
     }
 
@@ -926,6 +931,48 @@ mod tests {
         let scalar = kvx_kernels::cpu::Kernels::for_level(kvx_kernels::cpu::SimdLevel::Scalar);
         s.kernels = Box::leak(Box::new(scalar.expect("scalar level")));
         assert_eq!(s.effective_arith(), Arith::Exact);
+    }
+
+    #[test]
+    fn the_kv_fingerprint_follows_the_arithmetic_and_its_attention_kernel() {
+        let dir = std::env::temp_dir().join(format!("kvx-fingerprint-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("m.gguf");
+        std::fs::write(&path, vec![7u8; 4096]).expect("file");
+        let cfg = LlamaConfig {
+            arch: "llama".into(),
+            n_vocab: 32,
+            n_embd: 64,
+            n_layer: 2,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 16,
+            n_ff: 128,
+            rope_dims: 16,
+            rope_base: 10000.0,
+            rope_kind: kvx_kernels::model::RopeKind::Norm,
+            norm_eps: 1e-5,
+            context_length: 512,
+        };
+        let with = |kernels: &'static Kernels, arith| {
+            let s = EngineSetup::new(EngineKind::Model, Some(path.clone()), kernels);
+            s.kv_fingerprint(&path, &cfg, arith).expect("fingerprint")
+        };
+        let k = kvx_kernels::cpu::kernels();
+        let all: Vec<u64> = Arith::ALL.iter().map(|&a| with(k, a)).collect();
+        for (i, a) in all.iter().enumerate() {
+            assert_eq!(*a, with(k, Arith::ALL[i]), "stable");
+            assert!(all[..i].iter().all(|b| b != a), "{:?} shares a fingerprint", Arith::ALL[i]);
+        }
+        // The same level without the free attention kernel attends in ggml's association:
+        // its `split` and `fast` blocks are other bits, its `exact` ones the same.
+        let ggml_attention: &'static Kernels =
+            Box::leak(Box::new(Kernels { attn_free: None, ..*k }));
+        assert_eq!(with(ggml_attention, Arith::Exact), with(k, Arith::Exact));
+        for a in [Arith::Fast, Arith::Split] {
+            assert_eq!(with(ggml_attention, a) != with(k, a), k.attn_free.is_some(), "{a:?}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

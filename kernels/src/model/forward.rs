@@ -3,7 +3,8 @@
 //! One call runs every chunk of a scheduler step together: each weight matrix is read once
 //! for all tokens of the step, prefill chunks and single decode tokens alike. Arithmetic
 //! follows ggml's CPU backend (activation quantization per weight type, f16 KV cache,
-//! f16-rounded queries and attention probabilities) so tokens track llama.cpp.
+//! f16-rounded queries and attention probabilities) so tokens track llama.cpp, unless the
+//! model was set up for a non-exact arithmetic (`split_qkv`, `free_attention`).
 
 use std::sync::Mutex;
 
