@@ -25,6 +25,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = ThreadPool::new(2)?;
     let mut lanes = LlamaModel::load(file)?;
     lanes.repack(k, kvx_kernels::cpu::lanes::LaneMath::Fast)?;
+    // As `--arith fast` computes: with its free attention where the level has the kernel.
+    lanes.free_attention = kvx_kernels::ops::attention_free_covers(k, lanes.cfg.head_dim);
     let exact = top(&model, k, &pool, &ids)?;
     let fast = top(&lanes, k, &pool, &ids)?;
     let mut out = std::io::stdout().lock();

@@ -41,8 +41,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(math) = math {
             model.repack(k, math)?;
             // `fast` as `--arith fast` runs it (free attention; `ATTN=ggml` keeps ggml's).
-            model.free_attention =
-                math == LaneMath::Fast && std::env::var("ATTN").as_deref() != Ok("ggml");
+            model.free_attention = math == LaneMath::Fast
+                && std::env::var("ATTN").as_deref() != Ok("ggml")
+                && kvx_kernels::ops::attention_free_covers(k, model.cfg.head_dim);
         }
         let name = math.map_or("ggml tiles".to_string(), |m| format!("row-lane {m:?}"));
         profile(&model, k, &pool, n_tok, seqs, &name)?;

@@ -584,6 +584,14 @@ pub fn attention_free_group(
     attention_group(k, mode, q, heads, keys, values, n_pos, scale, next, sc, out)
 }
 
+/// Whether [`attention_free_group`] computes heads of `head_dim` in the free association
+/// on `k` (the level has the kernel and it takes the size); elsewhere it is ggml's.
+pub fn attention_free_covers(k: &Kernels, head_dim: usize) -> bool {
+    k.attn_free.is_some()
+        && head_dim.is_multiple_of(16)
+        && (16..=crate::cpu::attn::MAX_FUSED_HEAD).contains(&head_dim)
+}
+
 /// One query head's attention in the free association, the definition of
 /// [`Kernels::attn_free`]'s bits: each score is `q · k` over 16 lanes (element `i` in lane
 /// `i % 16`, one fused multiply-add each in order from zero, the lanes then added as

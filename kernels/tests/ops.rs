@@ -733,6 +733,86 @@ fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
     }
 }
 
+/// The free kernel when the values do not share the keys' layout (another head size, block
+/// table and cache): the same bits as the twin, head by head.
+#[test]
+fn free_attention_with_values_laid_out_apart_matches_its_twin() {
+    let mut rng = rng(68);
+    for k in levels() {
+        for (hd, vd) in [(64usize, 32usize), (64, 64), (32, 80)] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            for n_pos in [1usize, 16, 33, 200] {
+                let kc = make_cache(&mut rng, n_pos, 16, 2, hd);
+                let vc = make_cache(&mut rng, n_pos, 16, 2, vd);
+                let keys = PagedHead {
+                    data: &kc.keys,
+                    block_table: &kc.table,
+                    block_size: 16,
+                    block_stride: 2 * 16 * hd,
+                    head_dim: hd,
+                    kv_head: 1,
+                };
+                let values = PagedHead {
+                    data: &vc.values,
+                    block_table: &vc.table,
+                    block_size: 16,
+                    block_stride: 2 * 16 * vd,
+                    head_dim: vd,
+                    kv_head: 0,
+                };
+                let heads = 3;
+                let q = randv(&mut rng, heads * hd);
+                let (mut sc, mut sc2) =
+                    (AttnScratch::new(hd.max(vd), 300), AttnScratch::new(hd.max(vd), 300));
+                let mut got = vec![f32::NAN; heads * vd];
+                ops::attention_free_group(
+                    &k,
+                    AttnMode::Decode,
+                    &q,
+                    heads,
+                    &keys,
+                    &values,
+                    n_pos,
+                    scale,
+                    None,
+                    &mut sc,
+                    &mut got,
+                )
+                .unwrap();
+                for (g, (qh, got)) in q.chunks_exact(hd).zip(got.chunks_exact(vd)).enumerate() {
+                    let mut want = vec![f32::NAN; vd];
+                    if ops::attention_free_covers(&k, hd) && vd % 16 == 0 {
+                        ops::attention_free_twin(
+                            &k, qh, &keys, &values, n_pos, scale, &mut sc2, &mut want,
+                        )
+                        .unwrap();
+                    } else {
+                        ops::attention(
+                            &k,
+                            AttnMode::Decode,
+                            qh,
+                            &keys,
+                            &values,
+                            n_pos,
+                            scale,
+                            &mut sc2,
+                            &mut want,
+                        )
+                        .unwrap();
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(got),
+                        bits(&want),
+                        "{} hd={hd} vd={vd} n_pos={n_pos} head {g}",
+                        k.level
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// [`attention_bound`] without ggml's f16 roundings (of the query and the probabilities):
 /// the f32 scores' sums, the softmax's `exp` and normalization (a few ulps), and the f32
 /// weighted sums.

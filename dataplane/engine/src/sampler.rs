@@ -218,10 +218,13 @@ impl Sampler {
             // 0 first: the draw cannot resolve them, and their f32 `exp`s would be
             // subnormal, which x86 cores compute in microcode (a mocker's flat tail or a cold
             // temperature made a draw cost 0.36 ms instead of 0.04).
-            let floor = best_logit - NEGLIGIBLE * params.temperature;
+            // Compared as the softmax computes it: the tempered logit against the tempered
+            // maximum.
+            let floor = max - NEGLIGIBLE;
             self.probs.clear();
-            self.probs
-                .extend(logits.iter().map(|&l| if l < floor { f32::NEG_INFINITY } else { l }));
+            self.probs.extend(
+                logits.iter().map(|&l| if l * inv_t < floor { f32::NEG_INFINITY } else { l }),
+            );
             (kvx_kernels::cpu::kernels().softmax)(&mut self.probs, inv_t);
             let chosen = if params.top_p >= 1.0 {
                 self.draw_in_id_order(params, state, best)

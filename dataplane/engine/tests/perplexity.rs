@@ -213,8 +213,8 @@ fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact()
     let mut e = kernels(&exact_m, 8);
     assert_ne!(rows(&mut e, &p, &[n]), whole);
 
-    // Against the reference: a smaller divergence than exact's, by a margin (0.82× here at the
-    // AVX-512 level; 0.70× on the 7,395 tokens of kernels/PERF.md's table).
+    // Against the reference: a smaller divergence than exact's, by a margin (0.79× here at the
+    // AVX-512 level; 0.71× on the 7,395 tokens of kernels/PERF.md's table).
     let mut r = reference(&exact_m, 8);
     let text = TEXT.repeat(2);
     let mut base = Vec::new();

@@ -438,7 +438,8 @@ impl EngineSetup {
                     tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
                 }
                 model.split_qkv = arith.split_qkv();
-                model.free_attention = arith.free_attention();
+                model.free_attention = arith.free_attention()
+                    && kvx_kernels::ops::attention_free_covers(self.kernels, model.cfg.head_dim);
                 if model.split_qkv && !model.can_split_qkv() {
                     return Err(SetupError::Invalid(format!(
                         "--arith split: the Q/K/V products of {} do not share one activation \
@@ -452,7 +453,8 @@ impl EngineSetup {
                 // The reference arithmetic caches f32, twice the bytes of the f16 cache.
                 let budget = if arith == Arith::Reference { budget / 2 } else { budget };
                 let blocks = self.blocks_for(&model.cfg, budget, sched.max_model_len);
-                let fp = self.kv_fingerprint(path, &model.cfg, resolved.effective_arith())?;
+                let arith = resolved.effective_arith();
+                let fp = self.kv_fingerprint(path, &model.cfg, arith, model.free_attention)?;
                 (Backing::Model(Arc::new(model)), Some(Arc::new(tokenizer)), sched, blocks, fp)
             }
             (EngineKind::Model, None) => unreachable_model()?,
@@ -505,6 +507,7 @@ impl EngineSetup {
         path: &Path,
         cfg: &LlamaConfig,
         arith: Arith,
+        free_attention: bool,
     ) -> Result<u64, SetupError> {
         use std::io::{Read, Seek, SeekFrom};
         let read = || -> std::io::Result<Vec<u8>> {
@@ -524,7 +527,7 @@ impl EngineSetup {
             buf.extend_from_slice(&(v as u64).to_le_bytes());
         }
         buf.extend_from_slice(self.kernels.level.name().as_bytes());
-        if arith.free_attention() && self.kernels.attn_free.is_some() {
+        if free_attention {
             // Blocks an earlier build computed with ggml's attention in this arithmetic are
             // not these bits.
             buf.extend_from_slice(b"free attention");
@@ -590,14 +593,19 @@ impl Prepared {
     }
 
     /// The arithmetic and kernel level the engines compute in, as a worker registers it with
-    /// its frontend (`split/avx512`; empty for mock engines): `split` without row-lane
-    /// kernels computes otherwise than with them.
+    /// its frontend (`split/avx512`, `split/avx512/free-attention`; empty for mock engines):
+    /// `split` without row-lane kernels computes otherwise than with them, and with the free
+    /// attention kernel otherwise than an earlier build without it (the KV blocks a prefill
+    /// worker lends must be the decode worker's bits).
     pub fn arith_label(&self) -> String {
-        match self.setup.kind {
-            EngineKind::Mocker => String::new(),
-            EngineKind::Model => {
-                format!("{}/{}", self.setup.effective_arith().name(), self.setup.kernels.level)
-            }
+        match &self.backing {
+            Backing::Mocker(..) => String::new(),
+            Backing::Model(m) => format!(
+                "{}/{}{}",
+                self.setup.effective_arith().name(),
+                self.setup.kernels.level,
+                if m.free_attention { "/free-attention" } else { "" }
+            ),
         }
     }
 
@@ -934,7 +942,7 @@ mod tests {
     }
 
     #[test]
-    fn the_kv_fingerprint_follows_the_arithmetic_and_its_attention_kernel() {
+    fn the_kv_fingerprint_follows_the_arithmetic_and_its_attention() {
         let dir = std::env::temp_dir().join(format!("kvx-fingerprint-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let path = dir.join("m.gguf");
@@ -954,24 +962,25 @@ mod tests {
             norm_eps: 1e-5,
             context_length: 512,
         };
-        let with = |kernels: &'static Kernels, arith| {
-            let s = EngineSetup::new(EngineKind::Model, Some(path.clone()), kernels);
-            s.kv_fingerprint(&path, &cfg, arith).expect("fingerprint")
-        };
         let k = kvx_kernels::cpu::kernels();
-        let all: Vec<u64> = Arith::ALL.iter().map(|&a| with(k, a)).collect();
+        let with = |arith, free| {
+            let s = EngineSetup::new(EngineKind::Model, Some(path.clone()), k);
+            s.kv_fingerprint(&path, &cfg, arith, free).expect("fingerprint")
+        };
+        let all: Vec<u64> = Arith::ALL.iter().map(|&a| with(a, false)).collect();
         for (i, a) in all.iter().enumerate() {
-            assert_eq!(*a, with(k, Arith::ALL[i]), "stable");
+            assert_eq!(*a, with(Arith::ALL[i], false), "stable");
             assert!(all[..i].iter().all(|b| b != a), "{:?} shares a fingerprint", Arith::ALL[i]);
         }
-        // The same level without the free attention kernel attends in ggml's association:
-        // its `split` and `fast` blocks are other bits, its `exact` ones the same.
-        let ggml_attention: &'static Kernels =
-            Box::leak(Box::new(Kernels { attn_free: None, ..*k }));
-        assert_eq!(with(ggml_attention, Arith::Exact), with(k, Arith::Exact));
+        // Blocks computed with ggml's attention and with the free one are other bits.
         for a in [Arith::Fast, Arith::Split] {
-            assert_eq!(with(ggml_attention, a) != with(k, a), k.attn_free.is_some(), "{a:?}");
+            assert_ne!(with(a, true), with(a, false), "{a:?}");
         }
+        // Which heads the free kernel takes (elsewhere the free arithmetics attend as ggml).
+        let covers = |hd| kvx_kernels::ops::attention_free_covers(k, hd);
+        assert_eq!(covers(64), k.attn_free.is_some());
+        assert_eq!(covers(128), k.attn_free.is_some());
+        assert!(!covers(40) && !covers(512) && !covers(0));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

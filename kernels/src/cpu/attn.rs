@@ -111,12 +111,14 @@ pub struct AttnScratch {
 }
 
 /// The operands of one query head's attention, as [`attention`](crate::ops::attention)
-/// hands them to the level's fused kernel ([`Kernels::attn_head`](super::Kernels::attn_head)).
+/// hands them to the level's fused kernels ([`Kernels::attn_head`](super::Kernels::attn_head),
+/// [`Kernels::attn_free`](super::Kernels::attn_free)).
 #[derive(Debug, Clone, Copy)]
 pub struct AttnHeadJob<'a> {
-    /// Which of ggml's code paths the arithmetic follows.
+    /// Which of ggml's code paths the arithmetic follows (`attn_head`); for `attn_free`
+    /// only whether the rows are read once (decode) or again (prompt).
     pub mode: AttnMode,
-    /// The query heads (`heads × head_dim` f32; rounded to f16 by the kernel).
+    /// The query heads (`heads × head_dim` f32; `attn_head` rounds them to f16).
     pub q: &'a [f32],
     /// Query heads sharing these keys and values (at most 4).
     pub heads: usize,
@@ -157,3 +159,7 @@ impl AttnScratch {
 /// Query heads per KV head that [`attention_group`](crate::ops::attention_group) computes
 /// together at most; scratch is sized for it.
 pub const MAX_ATTN_GROUP: usize = 4;
+
+/// The widest head (elements) the fused attention kernels take; they take head sizes that
+/// are multiples of 16 up to it.
+pub const MAX_FUSED_HEAD: usize = 256;

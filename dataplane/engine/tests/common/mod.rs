@@ -29,7 +29,8 @@ pub fn model_in(arith: Arith) -> Arc<LlamaModel> {
     let math = arith.lane_math().unwrap_or(LaneMath::Exact);
     model.repack(cpu::kernels(), math).expect("repack");
     model.split_qkv = arith.split_qkv();
-    model.free_attention = arith.free_attention();
+    model.free_attention = arith.free_attention()
+        && kvx_kernels::ops::attention_free_covers(cpu::kernels(), model.cfg.head_dim);
     Arc::new(model)
 }
 

@@ -45,8 +45,8 @@ pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &m
     unsafe { imp_attn_head_512(job, sc, out) }
 }
 
-/// Widest head this kernel handles (elements).
-const MAX_HEAD: usize = 256;
+/// Widest head these kernels handle (elements).
+const MAX_HEAD: usize = crate::cpu::attn::MAX_FUSED_HEAD;
 
 /// Most query heads one call handles (the query heads of one KV head).
 const MAX_GROUP: usize = MAX_ATTN_GROUP;

@@ -4,8 +4,9 @@
 //!   norms, rope) as it is built before [`crate::cpu::exact`] swaps in its ggml-pinned slots.
 //! * [`exact`]: those ggml-pinned slots (f16 dot products in both of ggml's shapes, softmax,
 //!   SwiGLU, `axpy_f16`) for both levels.
-//! * [`attn`]: the fused AVX-512 attention of the query heads of one KV head
-//!   ([`crate::cpu::Kernels::attn_head`]).
+//! * [`attn`]: the fused AVX-512 attention of the query heads of one KV head, in ggml's
+//!   association ([`crate::cpu::Kernels::attn_head`]) and in the free one
+//!   ([`crate::cpu::Kernels::attn_free`]).
 //! * [`gemm`]: the tiled matrix kernels of [`crate::cpu::gemm`], AVX2 and AVX-512 VNNI.
 //! * [`lanes`]: the AVX-512 VNNI row-lane matrix kernel of [`crate::cpu::lanes`].
 
