@@ -500,8 +500,9 @@ impl EngineSetup {
 
     /// A fingerprint of what a KV block's bytes depend on: the model file (its size and
     /// its first and last MiB, which hold the metadata and tensor table and the last
-    /// weights), the kernels' instruction set and the arithmetic `arith` they compute in, and
-    /// the cache layout.
+    /// weights), the kernels' instruction set and the arithmetic `arith` they compute in
+    /// (with `free_attention`, whether its attention is the free kernel's), and the cache
+    /// layout.
     fn kv_fingerprint(
         &self,
         path: &Path,

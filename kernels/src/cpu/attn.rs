@@ -160,6 +160,6 @@ impl AttnScratch {
 /// together at most; scratch is sized for it.
 pub const MAX_ATTN_GROUP: usize = 4;
 
-/// The widest head (elements) the fused attention kernels take; they take head sizes that
-/// are multiples of 16 up to it.
+/// The widest head (elements) the fused attention kernels take (the free one any multiple
+/// of 16 up to it; ggml's multiples of 64, or of 16 for prompt tokens).
 pub const MAX_FUSED_HEAD: usize = 256;

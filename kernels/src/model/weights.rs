@@ -100,8 +100,9 @@ pub struct LlamaModel {
     /// [`LlamaModel::can_split_qkv`].
     pub split_qkv: bool,
     /// Whether attention runs in the free association ([`crate::ops::attention_free_group`]:
-    /// f32 queries and probabilities) rather than ggml's: set by the non-exact arithmetics
-    /// ([`Arith::free_attention`](super::Arith::free_attention)).
+    /// f32 queries and probabilities) rather than ggml's: set for the non-exact arithmetics
+    /// ([`Arith::free_attention`](super::Arith::free_attention)) where
+    /// [`crate::ops::attention_free_covers`] the model's heads.
     pub free_attention: bool,
 }
 

@@ -578,7 +578,8 @@ impl State {
         } else if let Some(other) = self.other_arith(w, &r.arith) {
             Some(format!(
                 "this fleet's workers compute in {other}, not {}: give every worker the same \
-                 --arith (and kernel level)",
+                 --arith, kernel level and kvx build (a build with free attention computes \
+                 `fast` and `split` otherwise than one without)",
                 r.arith
             ))
         } else {
