@@ -247,6 +247,91 @@ fn row_offsets(head: &PagedHead<'_>, offs: &mut [usize]) -> bool {
     p == offs.len()
 }
 
+/// The scores of a job's `heads` queries (`qa`, already in registers) against its keys,
+/// 16 keys at a time, each key loaded once for the group: tinyBLAS's one accumulator
+/// (`gemm`) or `vec_dot_f16`'s four and its `+ 0.0`, into `sc.scores` (head after head);
+/// then `sc.offs` holds where each position's value row starts. A decode token fetches its
+/// next 16 keys into L1 and each chunk's values into L2 as it goes, and the caller's next
+/// unit a share per chunk. `false` when a row lies outside the cache.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn scores_and_value_rows(
+    job: &AttnHeadJob<'_>,
+    qa: &[[__m512; MAX_HEAD / 16]; MAX_GROUP],
+    gemm: bool,
+    sc: &mut AttnScratch,
+) -> bool {
+    let (keys, values, n, gn) = (job.keys, job.values, job.n_pos, job.heads);
+    let (hd, vd) = (keys.head_dim, values.head_dim);
+    // Where each position's rows start (validated once, no division per row).
+    let offs = &mut sc.offs[..n];
+    if !row_offsets(keys, offs) {
+        return false;
+    }
+    let same_layout = vd == hd
+        && std::ptr::eq(keys.block_table, values.block_table)
+        && keys.block_size == values.block_size
+        && keys.block_stride == values.block_stride
+        && keys.kv_head == values.kv_head
+        && keys.data.len() == values.data.len();
+    let decode = job.mode == AttnMode::Decode;
+    let scores = &mut sc.scores[..gn * n];
+    let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
+    let mut p0 = 0;
+    let parts = n.div_ceil(16);
+    while p0 < n {
+        let m = (n - p0).min(16);
+        // The caller's next unit, a share per chunk of keys.
+        if let Some(next) = job.next {
+            next.prefetch_part(p0 / 16, parts);
+        }
+        let ko = &offs[p0..p0 + m];
+        // A decode step reads each sequence's rows once, from scattered blocks in memory:
+        // fetch the next 16 keys into L1 and this chunk's values into L2 while the scores
+        // are computed. Prompt tokens re-read rows that are already cached; there it only
+        // costs.
+        if decode {
+            let next = &offs[(p0 + 16).min(n)..(p0 + 32).min(n)];
+            prefetch_rows::<_MM_HINT_T0>(keys.data, next, hd);
+            if same_layout {
+                prefetch_rows::<_MM_HINT_T1>(values.data, ko, vd);
+            }
+        }
+        let a = &mut acc;
+        match (hd, gemm, gn) {
+            (64, true, 1) => keys16::<4, true, 1>(qa, keys.data, ko, a),
+            (64, true, 2) => keys16::<4, true, 2>(qa, keys.data, ko, a),
+            (64, true, 3) => keys16::<4, true, 3>(qa, keys.data, ko, a),
+            (64, true, _) => keys16::<4, true, 4>(qa, keys.data, ko, a),
+            (64, false, 1) => keys16::<4, false, 1>(qa, keys.data, ko, a),
+            (64, false, 2) => keys16::<4, false, 2>(qa, keys.data, ko, a),
+            (64, false, 3) => keys16::<4, false, 3>(qa, keys.data, ko, a),
+            (64, false, _) => keys16::<4, false, 4>(qa, keys.data, ko, a),
+            (128, true, 1) => keys16::<8, true, 1>(qa, keys.data, ko, a),
+            (128, true, 2) => keys16::<8, true, 2>(qa, keys.data, ko, a),
+            (128, false, 1) => keys16::<8, false, 1>(qa, keys.data, ko, a),
+            _ => keys16_any(qa, gn, hd / 16, keys.data, ko, gemm, a),
+        }
+        for (g, acc) in acc.iter().enumerate().take(gn) {
+            // Keys past `m` hold stale sums; their lanes are dropped below.
+            let mut s = reduce16(acc);
+            if !gemm {
+                // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
+                s = _mm512_add_ps(s, _mm512_setzero_ps());
+            }
+            let dst = &mut scores[g * n + p0..g * n + p0 + m];
+            if m == 16 {
+                store16(dst, s);
+            } else {
+                let mut buf = [0.0f32; 16];
+                store16(&mut buf, s);
+                dst.copy_from_slice(&buf[..m]);
+            }
+        }
+        p0 += m;
+    }
+    same_layout || row_offsets(values, offs)
+}
+
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
     let (keys, values, n, gn) = (job.keys, job.values, job.n_pos, job.heads);
@@ -282,77 +367,10 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
             *q = round_f16(load16(&job.q[g * hd + 16 * i..]));
         }
     }
-
-    // Where each position's rows start (validated once, no division per row).
-    let offs = &mut sc.offs[..n];
-    if !row_offsets(keys, offs) {
+    if !scores_and_value_rows(job, &qa, gemm_scores, sc) {
         return false;
     }
-    let same_layout = vd == hd
-        && std::ptr::eq(keys.block_table, values.block_table)
-        && keys.block_size == values.block_size
-        && keys.block_stride == values.block_stride
-        && keys.kv_head == values.kv_head
-        && keys.data.len() == values.data.len();
-
-    // Scores, 16 keys at a time, each key loaded once for the group's queries.
-    let scores = &mut sc.scores[..gn * n];
-    let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
-    let mut p0 = 0;
-    let parts = n.div_ceil(16);
-    while p0 < n {
-        let m = (n - p0).min(16);
-        // The caller's next unit, a share per chunk of keys.
-        if let Some(next) = job.next {
-            next.prefetch_part(p0 / 16, parts);
-        }
-        let ko = &offs[p0..p0 + m];
-        // A decode step reads each sequence's rows once, from scattered blocks in memory:
-        // fetch the next 16 keys into L1 and this chunk's values into L2 while the scores
-        // are computed (the weighted sums walk the values class by class, out of order).
-        // Prompt tokens re-read rows that are already cached; there it only costs.
-        if !prefill {
-            let next = &offs[(p0 + 16).min(n)..(p0 + 32).min(n)];
-            prefetch_rows::<_MM_HINT_T0>(keys.data, next, hd);
-            if same_layout {
-                prefetch_rows::<_MM_HINT_T1>(values.data, ko, vd);
-            }
-        }
-        let a = &mut acc;
-        match (hd, gemm_scores, gn) {
-            (64, true, 1) => keys16::<4, true, 1>(&qa, keys.data, ko, a),
-            (64, true, 2) => keys16::<4, true, 2>(&qa, keys.data, ko, a),
-            (64, true, 3) => keys16::<4, true, 3>(&qa, keys.data, ko, a),
-            (64, true, _) => keys16::<4, true, 4>(&qa, keys.data, ko, a),
-            (64, false, 1) => keys16::<4, false, 1>(&qa, keys.data, ko, a),
-            (64, false, 2) => keys16::<4, false, 2>(&qa, keys.data, ko, a),
-            (64, false, 3) => keys16::<4, false, 3>(&qa, keys.data, ko, a),
-            (64, false, _) => keys16::<4, false, 4>(&qa, keys.data, ko, a),
-            (128, true, 1) => keys16::<8, true, 1>(&qa, keys.data, ko, a),
-            (128, false, 1) => keys16::<8, false, 1>(&qa, keys.data, ko, a),
-            _ => keys16_any(&qa, gn, hd / 16, keys.data, ko, gemm_scores, a),
-        }
-        for (g, acc) in acc.iter().enumerate().take(gn) {
-            // Keys past `m` hold stale sums; their lanes are dropped below.
-            let mut s = reduce16(acc);
-            if !gemm_scores {
-                // `vec_dot_f16` ends with `(f64(sum) + 0.0) as f32`, which turns -0 into +0.
-                s = _mm512_add_ps(s, _mm512_setzero_ps());
-            }
-            let dst = &mut scores[g * n + p0..g * n + p0 + m];
-            if m == 16 {
-                store16(dst, s);
-            } else {
-                let mut buf = [0.0f32; 16];
-                store16(&mut buf, s);
-                dst.copy_from_slice(&buf[..m]);
-            }
-        }
-        p0 += m;
-    }
-    if !same_layout && !row_offsets(values, offs) {
-        return false;
-    }
+    let (scores, offs) = (&mut sc.scores[..gn * n], &sc.offs[..n]);
 
     for head in scores.chunks_exact_mut(n) {
         (job.softmax)(head, job.scale);
@@ -517,70 +535,16 @@ fn imp_attn_free_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     {
         return false;
     }
-    let decode = job.mode == AttnMode::Decode;
-
     let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
     for (g, qv) in qa.iter_mut().enumerate().take(gn) {
         for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
             *q = load16(&job.q[g * hd + 16 * i..]);
         }
     }
-    let offs = &mut sc.offs[..n];
-    if !row_offsets(keys, offs) {
+    if !scores_and_value_rows(job, &qa, true, sc) {
         return false;
     }
-    let same_layout = vd == hd
-        && std::ptr::eq(keys.block_table, values.block_table)
-        && keys.block_size == values.block_size
-        && keys.block_stride == values.block_stride
-        && keys.kv_head == values.kv_head
-        && keys.data.len() == values.data.len();
-
     let scores = &mut sc.scores[..gn * n];
-    let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
-    let mut p0 = 0;
-    let parts = n.div_ceil(16);
-    while p0 < n {
-        let m = (n - p0).min(16);
-        if let Some(next) = job.next {
-            next.prefetch_part(p0 / 16, parts);
-        }
-        let ko = &offs[p0..p0 + m];
-        // As in the exact kernel: a decode token's rows come from scattered blocks once.
-        if decode {
-            let next = &offs[(p0 + 16).min(n)..(p0 + 32).min(n)];
-            prefetch_rows::<_MM_HINT_T0>(keys.data, next, hd);
-            if same_layout {
-                prefetch_rows::<_MM_HINT_T1>(values.data, ko, vd);
-            }
-        }
-        let a = &mut acc;
-        match (hd, gn) {
-            (64, 1) => keys16::<4, true, 1>(&qa, keys.data, ko, a),
-            (64, 2) => keys16::<4, true, 2>(&qa, keys.data, ko, a),
-            (64, 3) => keys16::<4, true, 3>(&qa, keys.data, ko, a),
-            (64, _) => keys16::<4, true, 4>(&qa, keys.data, ko, a),
-            (128, 1) => keys16::<8, true, 1>(&qa, keys.data, ko, a),
-            (128, 2) => keys16::<8, true, 2>(&qa, keys.data, ko, a),
-            _ => keys16_any(&qa, gn, hd / 16, keys.data, ko, true, a),
-        }
-        for (g, acc) in acc.iter().enumerate().take(gn) {
-            // Keys past `m` hold stale sums; their lanes are dropped.
-            let s = reduce16(acc);
-            let dst = &mut scores[g * n + p0..g * n + p0 + m];
-            if m == 16 {
-                store16(dst, s);
-            } else {
-                let mut buf = [0.0f32; 16];
-                store16(&mut buf, s);
-                dst.copy_from_slice(&buf[..m]);
-            }
-        }
-        p0 += m;
-    }
-    if !same_layout && !row_offsets(values, offs) {
-        return false;
-    }
     for head in scores.chunks_exact_mut(n) {
         (job.softmax)(head, job.scale);
     }
