@@ -410,6 +410,28 @@ struct Cache {
     table: Vec<u32>,
 }
 
+impl Cache {
+    /// The keys and values of KV head `kv_head` of `n_kv`, `hd` wide, in blocks of
+    /// `block_size` slots.
+    fn heads(
+        &self,
+        block_size: usize,
+        n_kv: usize,
+        hd: usize,
+        kv_head: usize,
+    ) -> (PagedHead<'_>, PagedHead<'_>) {
+        let head = |data| PagedHead {
+            data,
+            block_table: &self.table,
+            block_size,
+            block_stride: n_kv * block_size * hd,
+            head_dim: hd,
+            kv_head,
+        };
+        (head(&self.keys[..]), head(&self.values[..]))
+    }
+}
+
 fn make_cache(rng: &mut StdRng, n_pos: usize, block_size: usize, n_kv: usize, hd: usize) -> Cache {
     let used = n_pos.div_ceil(block_size);
     let n_blocks = used + 3;
@@ -489,15 +511,7 @@ fn fused_attention_is_bit_identical_to_the_generic_path() {
                     let mut sc = AttnScratch::new(hd, 300);
                     let mut sc2 = AttnScratch::new(hd, 300);
                     for h in 0..4 {
-                        let head = |data| PagedHead {
-                            data,
-                            block_table: &c.table,
-                            block_size,
-                            block_stride: n_kv * block_size * hd,
-                            head_dim: hd,
-                            kv_head: h / 2,
-                        };
-                        let (keys, values) = (head(&c.keys[..]), head(&c.values[..]));
+                        let (keys, values) = c.heads(block_size, n_kv, hd, h / 2);
                         let q: Vec<f32> = match h {
                             // A zero query: every score is a (signed) zero.
                             0 => vec![0.0; hd],
@@ -565,15 +579,7 @@ fn grouped_attention_is_bit_identical_per_head() {
                     let c = make_cache(&mut rng, n_pos, block_size, 2, hd);
                     let mut sc = AttnScratch::new(hd, 300);
                     let mut sc2 = AttnScratch::new(hd, 300);
-                    let head = |data| PagedHead {
-                        data,
-                        block_table: &c.table,
-                        block_size,
-                        block_stride: 2 * block_size * hd,
-                        head_dim: hd,
-                        kv_head: 1,
-                    };
-                    let (keys, values) = (head(&c.keys[..]), head(&c.values[..]));
+                    let (keys, values) = c.heads(block_size, 2, hd, 1);
                     for heads in 1..=5 {
                         let q = randv(&mut rng, heads * hd);
                         for mode in [AttnMode::Decode, AttnMode::Prefill] {
@@ -638,15 +644,7 @@ fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
                     let c = make_cache(&mut rng, n_pos, block_size, 2, hd);
                     let mut sc = AttnScratch::new(hd, 300);
                     let mut sc2 = AttnScratch::new(hd, 300);
-                    let head = |data| PagedHead {
-                        data,
-                        block_table: &c.table,
-                        block_size,
-                        block_stride: 2 * block_size * hd,
-                        head_dim: hd,
-                        kv_head: 1,
-                    };
-                    let (keys, values) = (head(&c.keys[..]), head(&c.values[..]));
+                    let (keys, values) = c.heads(block_size, 2, hd, 1);
                     for heads in 1..=4 {
                         let q: Vec<f32> = match heads {
                             2 => randv(&mut rng, heads * hd).iter().map(|v| v * 8.0).collect(),

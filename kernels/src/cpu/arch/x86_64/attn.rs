@@ -247,6 +247,37 @@ fn row_offsets(head: &PagedHead<'_>, offs: &mut [usize]) -> bool {
     p == offs.len()
 }
 
+/// What both fused kernels need of a job: head sizes that are multiples of 16 up to
+/// [`MAX_HEAD`], a group of 1 to [`MAX_GROUP`] heads, operands and output of the group's
+/// sizes, and scratch for its scores and row offsets.
+fn operands_fit(job: &AttnHeadJob<'_>, sc: &AttnScratch, out: &[f32]) -> bool {
+    let (n, gn) = (job.n_pos, job.heads);
+    let (hd, vd) = (job.keys.head_dim, job.values.head_dim);
+    let size = |d: usize| d.is_multiple_of(16) && (16..=MAX_HEAD).contains(&d);
+    size(hd)
+        && size(vd)
+        && (1..=MAX_GROUP).contains(&gn)
+        && job.q.len() == gn * hd
+        && out.len() == gn * vd
+        && n > 0
+        && sc.scores.len() >= gn * n
+        && sc.offs.len() >= n
+}
+
+/// The job's queries in registers (or close by), rounded to f16 when `round` (ggml's).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn queries(job: &AttnHeadJob<'_>, round: bool) -> [[__m512; MAX_HEAD / 16]; MAX_GROUP] {
+    let hd = job.keys.head_dim;
+    let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
+    for (g, qv) in qa.iter_mut().enumerate().take(job.heads) {
+        for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
+            let v = load16(&job.q[g * hd + 16 * i..]);
+            *q = if round { round_f16(v) } else { v };
+        }
+    }
+    qa
+}
+
 /// The scores of a job's `heads` queries (`qa`, already in registers) against its keys,
 /// 16 keys at a time, each key loaded once for the group: tinyBLAS's one accumulator
 /// (`gemm`) or `vec_dot_f16`'s four and its `+ 0.0`, into `sc.scores` (head after head);
@@ -342,31 +373,14 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     let gemm_scores = prefill && hd.is_multiple_of(16);
     // The weighted values: step 16 (tinyBLAS) or 64 (`vec_dot_f16`'s 4 × 16 lanes).
     let step = if prefill && vd.is_multiple_of(4) { 16 } else { 64 };
-    if (!gemm_scores && !hd.is_multiple_of(64))
-        || hd == 0
-        || hd > MAX_HEAD
-        || !vd.is_multiple_of(16)
-        || vd == 0
-        || vd > MAX_HEAD
-        || gn == 0
-        || gn > MAX_GROUP
-        || job.q.len() != gn * hd
-        || out.len() != gn * vd
-        || n == 0
-        || sc.scores.len() < gn * n
-        || sc.offs.len() < n
+    if !operands_fit(job, sc, out)
+        || (!gemm_scores && !hd.is_multiple_of(64))
         || sc.classes.len() < gn * step * vd
     {
         return false;
     }
-
     // The queries rounded to f16, in registers (or close by).
-    let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
-    for (g, qv) in qa.iter_mut().enumerate().take(gn) {
-        for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
-            *q = round_f16(load16(&job.q[g * hd + 16 * i..]));
-        }
-    }
+    let qa = queries(job, true);
     if !scores_and_value_rows(job, &qa, gemm_scores, sc) {
         return false;
     }
@@ -517,30 +531,12 @@ pub(crate) fn attn_free_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &m
 /// (64 dimensions per pass), with the accumulators in registers.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 fn imp_attn_free_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
-    let (keys, values, n, gn) = (job.keys, job.values, job.n_pos, job.heads);
-    let (hd, vd) = (keys.head_dim, values.head_dim);
-    if !hd.is_multiple_of(16)
-        || hd == 0
-        || hd > MAX_HEAD
-        || !vd.is_multiple_of(16)
-        || vd == 0
-        || vd > MAX_HEAD
-        || gn == 0
-        || gn > MAX_GROUP
-        || job.q.len() != gn * hd
-        || out.len() != gn * vd
-        || n == 0
-        || sc.scores.len() < gn * n
-        || sc.offs.len() < n
-    {
+    let (values, n, gn) = (job.values, job.n_pos, job.heads);
+    let vd = values.head_dim;
+    if !operands_fit(job, sc, out) {
         return false;
     }
-    let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
-    for (g, qv) in qa.iter_mut().enumerate().take(gn) {
-        for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
-            *q = load16(&job.q[g * hd + 16 * i..]);
-        }
-    }
+    let qa = queries(job, false);
     if !scores_and_value_rows(job, &qa, true, sc) {
         return false;
     }
