@@ -4,7 +4,8 @@
 # next-token distribution (mean, p99), top-1 agreement and perplexity over a text the tests do
 # not use, then each arithmetic's speed: prompt (pp512) and single-stream decode (tg128) tok/s
 # from `kvx bench engine`, and 16 concurrent greedy streams of 128 tokens from `kvx generate`
-# (alternating runs, medians).
+# (alternating runs, medians); then each arithmetic's divergence against the first's, token by
+# token (`kvx eval perplexity --kld-values`).
 # Usage: bench/scripts/arith_table.sh [runs]
 #   KVX=path/to/kvx  TEXT=file (default: the GPL-3, GFDL-1.3 and Apache-2.0 texts of
 #   Debian's base-files, one after the other: 7,395 scored tokens at CTX 512)
@@ -41,7 +42,8 @@ else
   echo "reference: $(( $(date +%s) - start )) s" >&2
 fi
 for a in $ARITHS; do
-  "$KVX" "${ppl[@]}" --arith "$a" --kl-divergence "$ref" > "$tmp/q.$a.json"
+  "$KVX" "${ppl[@]}" --arith "$a" --kl-divergence "$ref" --kld-values "$tmp/k.$a.f64" \
+    > "$tmp/q.$a.json"
 done
 
 python3 - "$tmp" <<'PY'
@@ -86,4 +88,25 @@ for a in ariths:
     print(f"| {q['arith']} | {q['kld_mean']:.6f} ± {q['kld_se']:.6f} | {q['kld_p99']:.5f} | {100 * q['top1']:.2f} % | "
           f"{q['ppl']:.4f} ({dppl:+.2f} %) | {med(pp):.0f} | {med(tg):.0f} | {med(g):.0f} |")
 print(f"| reference | 0 | 0 | 100 % | {ref['ppl']:.4f} | – | – | – |")
+
+# Paired: each arithmetic's divergence minus the first's, token by token (the same tokens, so
+# the text's hard and easy tokens cancel; its standard error is far smaller than either
+# mean's). The default rule asks for the difference plus its standard error to be <= 0.
+import array, math
+def kld(a):
+    v = array.array("d")
+    with open(f"{d}/k.{a}.f64", "rb") as f:
+        v.frombytes(f.read())
+    return v
+k0 = kld(ariths[0])
+print(f"\n| arithmetic | KLD − {ariths[0]}'s, paired (mean ± s.e.) | relative | tokens nearer / farther |")
+print("|---|---|---|---|")
+for a in ariths[1:]:
+    k = kld(a)
+    diff = [x - y for x, y in zip(k, k0)]
+    n = len(diff)
+    mean = sum(diff) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (n - 1) / n)
+    print(f"| {a} | {mean:+.6f} ± {se:.6f} | {100 * mean / (sum(k0) / n):+.1f} % | "
+          f"{sum(x < 0 for x in diff)} / {sum(x > 0 for x in diff)} |")
 PY

@@ -1,7 +1,8 @@
 //! `kvx eval perplexity` against llama.cpp: the same text, windows and scoring as
 //! llama-perplexity (computed by the oracle on llama.cpp's logits) give the same perplexity to
 //! four significant digits, over the same number of scored tokens; bad arguments are errors;
-//! `--save-logits` / `--kl-divergence` measure one arithmetic against another.
+//! `--save-logits` / `--kl-divergence` measure one arithmetic against another, and
+//! `--kld-values` gives the per-token divergences behind the mean.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -101,10 +102,27 @@ fn perplexity_matches_llama_perplexity() {
             < 1e-5
     );
     // `split` through the binary: its own name, a small distance from exact's rows.
-    let split = run(&["--kl-divergence", base, "--arith", "split"]);
+    // Each scored token's divergence with `--kld-values`: one f64 per token, whose mean and
+    // maximum are the run's; without a base it is refused.
+    let values = dir.join("split.kld");
+    let values = values.to_str().expect("path");
+    let split = run(&["--kl-divergence", base, "--arith", "split", "--kld-values", values]);
     assert_eq!(split["arith"].as_str(), Some("split"), "{split}");
     let kld = split["kld_mean"].as_f64().expect("kld");
     assert!(kld > 0.0 && kld < 0.01 && split["top1"].as_f64().expect("top1") > 0.9, "{split}");
+    let per: Vec<f64> = std::fs::read(values)
+        .expect("values")
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect();
+    assert_eq!(Some(per.len() as u64), split["tokens"].as_u64(), "{split}");
+    let mean = per.iter().sum::<f64>() / per.len() as f64;
+    assert!((mean - kld).abs() <= 1e-12 * kld, "{mean} vs {split}");
+    assert_eq!(Some(per.iter().copied().fold(0.0, f64::max)), split["kld_max"].as_f64());
+    let out = kvx(&["eval", "perplexity", "--file", path, "--kld-values", values]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("kl-divergence")
+    );
     // The default arithmetic is this CPU's choice for the model: `split` where its `fast`
     // products pay, else `exact`; either way it names itself, and only `exact` is at zero.
     let auto = run(&["--kl-divergence", base]);

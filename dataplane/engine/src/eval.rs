@@ -265,6 +265,7 @@ impl std::fmt::Display for KlStats {
 pub struct RowFiles {
     save: Option<BufWriter<File>>,
     base: Option<BufReader<File>>,
+    kld: Option<BufWriter<File>>,
 }
 
 impl RowFiles {
@@ -291,7 +292,22 @@ impl RowFiles {
             Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| err("creating", p, e))?)),
             None => None,
         };
-        Ok(RowFiles { save, base })
+        Ok(RowFiles { save, base, kld: None })
+    }
+
+    /// Also writes each scored token's KL divergence from the base to `path` (see
+    /// [`Rows::kld`]), so that two runs over the same base can be compared token by token.
+    pub fn with_kld_values(mut self, path: &Path) -> Result<Self, EvalError> {
+        if self.base.is_none() {
+            return Err(EvalError::Logprobs(format!(
+                "{}: per-token divergences need a base to compare with",
+                path.display()
+            )));
+        }
+        let f = File::create(path)
+            .map_err(|e| EvalError::Logprobs(format!("creating {}: {e}", path.display())))?;
+        self.kld = Some(BufWriter::new(f));
+        Ok(self)
     }
 
     /// The [`Rows`] over these files.
@@ -299,17 +315,16 @@ impl RowFiles {
         Rows {
             save: self.save.as_mut().map(|w| w as &mut dyn Write),
             base: self.base.as_mut().map(|r| r as &mut dyn Read),
+            kld: self.kld.as_mut().map(|w| w as &mut dyn Write),
         }
     }
 
-    /// Flushes the saved rows.
+    /// Flushes the saved rows and divergences.
     pub fn finish(self) -> Result<(), EvalError> {
-        match self.save {
-            Some(mut w) => {
-                w.flush().map_err(|e| EvalError::Logprobs(format!("writing the rows: {e}")))
-            }
-            None => Ok(()),
+        for w in [self.save, self.kld].into_iter().flatten() {
+            w.into_inner().map_err(|e| EvalError::Logprobs(format!("writing: {}", e.error())))?;
         }
+        Ok(())
     }
 }
 
@@ -322,6 +337,10 @@ pub struct Rows<'a> {
     pub save: Option<&'a mut dyn Write>,
     /// Read: a file `save` wrote.
     pub base: Option<&'a mut dyn Read>,
+    /// Written (with a base): each scored token's KL divergence from the base's row, one f64
+    /// (LE) per token in scoring order — the same order for every run over the same text
+    /// and window, so two arithmetics' divergences pair up token by token.
+    pub kld: Option<&'a mut dyn Write>,
 }
 
 impl std::fmt::Debug for Rows<'_> {
@@ -329,6 +348,7 @@ impl std::fmt::Debug for Rows<'_> {
         f.debug_struct("Rows")
             .field("save", &self.save.is_some())
             .field("base", &self.base.is_some())
+            .field("kld", &self.kld.is_some())
             .finish()
     }
 }
@@ -602,7 +622,11 @@ impl Scorer {
                 let (b, c) = (f64::from(b), f64::from(c));
                 kld += b.exp() * (b - c);
             }
-            self.kld.push(kld.max(0.0));
+            let kld = kld.max(0.0);
+            self.kld.push(kld);
+            if let Some(w) = rows.kld.as_deref_mut() {
+                w.write_all(&kld.to_le_bytes()).map_err(|e| io("writing a divergence", e))?;
+            }
             if first_max(&self.base) == first_max(&self.lp) {
                 self.top1 += 1;
             }

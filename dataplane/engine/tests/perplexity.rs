@@ -86,11 +86,11 @@ fn a_saved_base_compares_equal_to_itself_and_refuses_another_text() {
     let mut b = kernels(&m, 64);
     let text = TEXT.repeat(3);
     let mut saved = Vec::new();
-    let rows = Rows { save: Some(&mut saved), base: None };
+    let rows = Rows { save: Some(&mut saved), base: None, kld: None };
     let (p, _) = eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), rows).expect("save");
     assert_eq!(saved.len(), 32 + p.scored * m.cfg.n_vocab * 4);
 
-    let rows = Rows { save: None, base: Some(&mut saved.as_slice()) };
+    let rows = Rows { save: None, base: Some(&mut saved.as_slice()), kld: None };
     let (q, _) = eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), rows).expect("kld");
     let k = q.kl.expect("kl stats");
     assert_eq!(q.ppl, p.ppl);
@@ -103,11 +103,11 @@ fn a_saved_base_compares_equal_to_itself_and_refuses_another_text() {
         (64, &*TEXT.repeat(4), saved.len()),
         (64, text.as_str(), saved.len() / 2),
     ] {
-        let rows = Rows { save: None, base: Some(&mut &saved[..bytes]) };
+        let rows = Rows { save: None, base: Some(&mut &saved[..bytes]), kld: None };
         let err = eval::perplexity_of_text(&mut b, 16, &tok, text, (ctx, 512), rows).unwrap_err();
         assert!(matches!(err, eval::EvalError::Logprobs(_)), "{err}");
     }
-    let rows = Rows { save: None, base: Some(&mut &b"not a base"[..]) };
+    let rows = Rows { save: None, base: Some(&mut &b"not a base"[..]), kld: None };
     let err = eval::perplexity_of_text(&mut b, 16, &tok, &text, (64, 512), rows).unwrap_err();
     assert!(err.to_string().contains("header") || err.to_string().contains("not a file"), "{err}");
 }
@@ -172,12 +172,20 @@ fn the_reference_arithmetic_is_close_to_the_kernels_batch_invariant_and_measured
     // The kernels measured against the reference: a small, nonzero divergence.
     let text = TEXT.repeat(2);
     let mut base = Vec::new();
-    let rows_ = Rows { save: Some(&mut base), base: None };
+    let rows_ = Rows { save: Some(&mut base), base: None, kld: None };
     let (pr, _) = eval::perplexity_of_text(&mut r, 16, &tok, &text, (48, 512), rows_).expect("ref");
-    let rows_ = Rows { save: None, base: Some(&mut base.as_slice()) };
+    let mut values = Vec::new();
+    let rows_ = Rows { save: None, base: Some(&mut base.as_slice()), kld: Some(&mut values) };
     let (pe, _) = eval::perplexity_of_text(&mut f, 16, &tok, &text, (48, 512), rows_).expect("kld");
     let k = pe.kl.expect("kl");
     assert!(k.kld_mean > 0.0 && k.kld_mean < 0.02, "{k:?}");
+    // Every scored token's divergence, in order: the statistics are theirs.
+    let values: Vec<f64> =
+        values.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().expect("8"))).collect();
+    assert_eq!(values.len(), pe.scored);
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    assert!((mean - k.kld_mean).abs() <= 1e-12 * k.kld_mean, "{mean} vs {k:?}");
+    assert_eq!(values.iter().copied().fold(0.0, f64::max), k.kld_max);
     assert!(k.top1 > 0.9, "{k:?}");
     assert!((pe.ppl / pr.ppl - 1.0).abs() < 0.05, "{} vs {}", pe.ppl, pr.ppl);
     assert!((k.ppl_base / pr.ppl - 1.0).abs() < 1e-5, "{k:?}");
@@ -218,10 +226,10 @@ fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact()
     let mut r = reference(&exact_m, 8);
     let text = TEXT.repeat(2);
     let mut base = Vec::new();
-    let rows_ = Rows { save: Some(&mut base), base: None };
+    let rows_ = Rows { save: Some(&mut base), base: None, kld: None };
     eval::perplexity_of_text(&mut r, 16, &tok, &text, (48, 512), rows_).expect("ref");
     let kld = |b: &mut dyn Backend| {
-        let rows_ = Rows { save: None, base: Some(&mut base.as_slice()) };
+        let rows_ = Rows { save: None, base: Some(&mut base.as_slice()), kld: None };
         let (p, _) = eval::perplexity_of_text(b, 16, &tok, &text, (48, 512), rows_).expect("kld");
         p.kl.expect("kl").kld_mean
     };

@@ -51,6 +51,12 @@ struct PerplexityArgs {
     /// p99, max), top-1 agreement, and Δp of the actual next token.
     #[arg(long, value_name = "FILE")]
     kl_divergence: Option<PathBuf>,
+    /// With `--kl-divergence`: write each scored token's divergence to FILE, one f64
+    /// (little-endian) per token in scoring order, so that two runs over the same base
+    /// compare token by token (bench/scripts/arith_table.sh pairs each arithmetic with
+    /// `exact`).
+    #[arg(long, value_name = "FILE", requires = "kl_divergence")]
+    kld_values: Option<PathBuf>,
     /// Print one JSON object (`ppl`, `nll`, `tokens`, `chunks`, `ctx`, `arith`; with a base,
     /// `kld_mean`, `kld_se`, `kld_median`, `kld_p99`, `kld_max`, `top1`, `dp_mean`, `dp_rms`,
     /// `ppl_base`).
@@ -88,6 +94,9 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let mut backend = prepared.backend()?;
     let mut files = RowFiles::open(args.save_logits.as_deref(), args.kl_divergence.as_deref())?;
+    if let Some(p) = &args.kld_values {
+        files = files.with_kld_values(p)?;
+    }
     let bs = prepared.sched().block_size;
     let shape = (args.ctx, args.batch, args.chunks.unwrap_or(usize::MAX));
     let (p, n_text) =
