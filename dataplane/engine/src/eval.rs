@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kvx_kernels::model::{AttnMode, Logits, SeqChunk};
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
@@ -260,12 +260,20 @@ impl std::fmt::Display for KlStats {
 }
 
 /// The files of a perplexity run's rows: one to save them to, one holding a base to compare
-/// with (never the same file: creating the first would erase the second).
+/// with, and one for each token's divergence from the base (never one file in two roles:
+/// creating a file to write would erase the other).
 #[derive(Debug, Default)]
 pub struct RowFiles {
     save: Option<BufWriter<File>>,
     base: Option<BufReader<File>>,
     kld: Option<BufWriter<File>>,
+    /// The paths of `save` and `base`, for [`RowFiles::with_kld_values`]'s check.
+    paths: Vec<PathBuf>,
+}
+
+/// Whether two paths name one file (as given, or once resolved).
+fn same_file(a: &Path, b: &Path) -> bool {
+    a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
 }
 
 impl RowFiles {
@@ -274,16 +282,15 @@ impl RowFiles {
         let err = |what: &str, p: &Path, e: std::io::Error| {
             EvalError::Logprobs(format!("{what} {}: {e}", p.display()))
         };
-        if let (Some(a), Some(b)) = (save, base) {
-            let same =
-                a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
-            if same {
-                return Err(EvalError::Logprobs(format!(
-                    "{} is both the base and the file to save to: saving would erase the base",
-                    a.display()
-                )));
-            }
+        if let (Some(a), Some(b)) = (save, base)
+            && same_file(a, b)
+        {
+            return Err(EvalError::Logprobs(format!(
+                "{} is both the base and the file to save to: saving would erase the base",
+                a.display()
+            )));
         }
+        let paths = save.into_iter().chain(base).map(Path::to_path_buf).collect();
         let base = match base {
             Some(p) => Some(BufReader::new(File::open(p).map_err(|e| err("opening", p, e))?)),
             None => None,
@@ -292,7 +299,7 @@ impl RowFiles {
             Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| err("creating", p, e))?)),
             None => None,
         };
-        Ok(RowFiles { save, base, kld: None })
+        Ok(RowFiles { save, base, kld: None, paths })
     }
 
     /// Also writes each scored token's KL divergence from the base to `path` (see
@@ -301,6 +308,13 @@ impl RowFiles {
         if self.base.is_none() {
             return Err(EvalError::Logprobs(format!(
                 "{}: per-token divergences need a base to compare with",
+                path.display()
+            )));
+        }
+        if self.paths.iter().any(|p| same_file(p, path)) {
+            return Err(EvalError::Logprobs(format!(
+                "{} is already the base or the file to save to: writing the divergences there \
+                 would erase it",
                 path.display()
             )));
         }
@@ -321,8 +335,11 @@ impl RowFiles {
 
     /// Flushes the saved rows and divergences.
     pub fn finish(self) -> Result<(), EvalError> {
-        for w in [self.save, self.kld].into_iter().flatten() {
-            w.into_inner().map_err(|e| EvalError::Logprobs(format!("writing: {}", e.error())))?;
+        for (what, w) in [("the rows", self.save), ("the divergences", self.kld)] {
+            if let Some(w) = w {
+                w.into_inner()
+                    .map_err(|e| EvalError::Logprobs(format!("writing {what}: {}", e.error())))?;
+            }
         }
         Ok(())
     }
@@ -678,7 +695,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn row_files_refuse_one_file_as_both_base_and_save_and_keep_it() {
+    fn row_files_refuse_one_file_in_two_roles_and_keep_the_base() {
         let dir = std::env::temp_dir().join(format!("kvx-rowfiles-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let base = dir.join("base.logp");
@@ -695,6 +712,22 @@ mod tests {
         assert!(rows.save.is_some() && rows.base.is_some());
         f.finish().expect("flush");
         assert!(RowFiles::open(None, Some(&dir.join("missing"))).is_err());
+        // The divergences' file: never the base or the saved rows, and only with a base.
+        for kld in [&base, &again, &other] {
+            let f = RowFiles::open(Some(&other), Some(&base)).expect("open");
+            let err = f.with_kld_values(kld).unwrap_err();
+            assert!(err.to_string().contains("would erase it"), "{err}");
+        }
+        assert_eq!(std::fs::read(&base).expect("read"), b"saved rows");
+        let err = RowFiles::open(Some(&other), None)
+            .expect("open")
+            .with_kld_values(&dir.join("k.f64"))
+            .unwrap_err();
+        assert!(err.to_string().contains("need a base"), "{err}");
+        let f = RowFiles::open(None, Some(&base)).expect("open");
+        let mut f = f.with_kld_values(&dir.join("k.f64")).expect("kld file");
+        assert!(f.rows().kld.is_some());
+        f.finish().expect("flush");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

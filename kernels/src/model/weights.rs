@@ -267,9 +267,10 @@ impl LlamaModel {
     }
 
     /// The default arithmetic for this model on `k`: the fastest one measured no farther
-    /// from [`Arith::Reference`] than [`Arith::Exact`] (KL divergence plus its standard
-    /// error no larger than `Exact`'s, perplexity within 0.2 % — kernels/PERF.md's table;
-    /// [`Arith::Fast`] is within half a standard error of `Exact`, either side). That is [`Arith::Split`] where the CPU's
+    /// from [`Arith::Reference`] than [`Arith::Exact`] (KL divergence shown no larger —
+    /// token by token against `Exact`'s, the mean difference plus its standard error ≤ 0 —
+    /// and perplexity within 0.2 %: kernels/PERF.md's tables; [`Arith::Fast`] is within a
+    /// standard error of `Exact`, either side). That is [`Arith::Split`] where the CPU's
     /// `Fast` row-lane products pay ([`Kernels::fast_lanes_pay`]), every layer's matrices
     /// repack into row lanes and the Q/K/V products can split ([`Self::can_split_qkv`]);
     /// [`Arith::Exact`] everywhere else, where `split` would cost more than it saves.
