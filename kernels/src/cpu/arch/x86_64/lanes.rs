@@ -14,9 +14,10 @@
 //! into the table of a level [`crate::cpu::Kernels::for_level`] found this CPU to support.
 //! Record reads go through raw pointers into a tile's records (`LaneMatrix::tile`), whose
 //! length [`LaneJob::check`] asserted. The `Fast` kernel takes its per-token operands through
-//! three one-instruction `asm!` blocks (`vpdpbusd`, `vmulps`, `vfmadd231ps` with a broadcast
-//! memory operand), each reading only the 4 bytes of the reference it is given: the
-//! intrinsics compute the same values, but LLVM broadcast them from registers.
+//! one-instruction `asm!` blocks (`vpdpbusd`, `vmulps`, `vfmadd231ps` with a broadcast
+//! memory operand at a constant offset into the activation record it is given), each
+//! reading only 4 bytes of that record: the intrinsics compute the same values, but LLVM
+//! broadcast them from registers.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -299,39 +300,46 @@ fn fast<const KIND: u8, const T: usize>(
     }
 }
 
-/// `v · x`, `x` broadcast by the load (no shuffle uop).
+/// `v · a.d`, `a.d` broadcast by the load (no shuffle uop).
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn mul_bcast(v: __m512, x: &f32) -> __m512 {
+fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
     let r: __m512;
-    // SAFETY: reads the 4 bytes of `x`.
+    // SAFETY: reads the 4 bytes of `a.d`, inside `a`.
     unsafe {
-        std::arch::asm!("vmulps {r}, {v}, dword ptr [{p}]{{1to16}}", r = lateout(zmm_reg) r,
-            v = in(zmm_reg) v, p = in(reg) x, options(pure, readonly, nostack, preserves_flags))
+        std::arch::asm!("vmulps {r}, {v}, dword ptr [{p} + {o}]{{1to16}}", r = lateout(zmm_reg) r,
+            v = in(zmm_reg) v, p = in(reg) a, o = const std::mem::offset_of!(LaneAct, d),
+            options(pure, readonly, nostack, preserves_flags))
     };
     r
 }
 
-/// `acc + m · x` in one rounding, `x` broadcast by the load.
+/// `acc + m · a.s` in one rounding, `a.s` broadcast by the load.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn fmadd_bcast(mut acc: __m512, m: __m512, x: &f32) -> __m512 {
-    // SAFETY: reads the 4 bytes of `x`.
+fn fmadd_s(mut acc: __m512, m: __m512, a: &LaneAct) -> __m512 {
+    // SAFETY: reads the 4 bytes of `a.s`, inside `a`.
     unsafe {
-        std::arch::asm!("vfmadd231ps {a}, {m}, dword ptr [{p}]{{1to16}}", a = inout(zmm_reg) acc,
-            m = in(zmm_reg) m, p = in(reg) x, options(pure, readonly, nostack, preserves_flags))
+        std::arch::asm!("vfmadd231ps {acc}, {m}, dword ptr [{p} + {o}]{{1to16}}",
+            acc = inout(zmm_reg) acc, m = in(zmm_reg) m, p = in(reg) a,
+            o = const std::mem::offset_of!(LaneAct, s),
+            options(pure, readonly, nostack, preserves_flags))
     };
     acc
 }
 
-/// `vpdpbusd` of `w` (unsigned) with the 4 signed bytes `g` broadcast by the load.
+/// `vpdpbusd` of `w` (unsigned) with the activation's 4-byte group `J` (signed) broadcast by
+/// the load.
 #[target_feature(enable = "avx512f,avx512vnni")]
 #[inline]
-fn dpbusd_bcast(mut acc: __m512i, w: __m512i, g: &[i8; 4]) -> __m512i {
-    // SAFETY: reads the 4 bytes of `g`.
+fn dpbusd_group<const J: usize>(mut acc: __m512i, w: __m512i, a: &LaneAct) -> __m512i {
+    const { assert!(J < 8, "a block has 8 groups of 4 quants") };
+    // SAFETY: reads quants `4J..4J + 4` of `a.qs`, inside `a`.
     unsafe {
-        std::arch::asm!("vpdpbusd {a}, {w}, dword ptr [{p}]{{1to16}}", a = inout(zmm_reg) acc,
-            w = in(zmm_reg) w, p = in(reg) g, options(pure, readonly, nostack, preserves_flags))
+        std::arch::asm!("vpdpbusd {acc}, {w}, dword ptr [{p} + {o}]{{1to16}}",
+            acc = inout(zmm_reg) acc, w = in(zmm_reg) w, p = in(reg) a,
+            o = const std::mem::offset_of!(LaneAct, qs) + 4 * J,
+            options(pure, readonly, nostack, preserves_flags))
     };
     acc
 }
@@ -353,19 +361,23 @@ fn fast_token<const KIND: u8>(
     // written as intrinsics, LLVM merges neighbouring fields into one wider load and then
     // broadcasts from a register, a shuffle uop each on the port the products need (the
     // kernel ran at ~183 instead of ~203 GMAC/s, 8 tokens, L1-resident weights, this Xeon).
+    // The offsets are constants of the instructions, so no address is computed per group.
     // `Q4_1` starts from zero: its correction is 0.
     let mut i0 = if KIND == Q4_1 { _mm512_setzero_si512() } else { _mm512_set1_epi32(a.corr_sum) };
     let mut i1 = _mm512_setzero_si512();
-    let (g, _) = a.qs.as_chunks::<4>();
-    for j in 0..4 {
-        i0 = dpbusd_bcast(i0, wv[j], &g[j]);
-        i1 = dpbusd_bcast(i1, wv[4 + j], &g[4 + j]);
-    }
+    i0 = dpbusd_group::<0>(i0, wv[0], a);
+    i1 = dpbusd_group::<4>(i1, wv[4], a);
+    i0 = dpbusd_group::<1>(i0, wv[1], a);
+    i1 = dpbusd_group::<5>(i1, wv[5], a);
+    i0 = dpbusd_group::<2>(i0, wv[2], a);
+    i1 = dpbusd_group::<6>(i1, wv[6], a);
+    i0 = dpbusd_group::<3>(i0, wv[3], a);
+    i1 = dpbusd_group::<7>(i1, wv[7], a);
     let i = _mm512_add_epi32(i0, i1);
-    let d = mul_bcast(dw, &a.d);
+    let d = mul_d(dw, a);
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, *acc);
     if KIND == Q4_1 {
-        *acc = fmadd_bcast(*acc, mw, &a.s);
+        *acc = fmadd_s(*acc, mw, a);
     }
 }
 
