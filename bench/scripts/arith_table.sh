@@ -111,6 +111,7 @@ for a in ariths[1:]:
     n = len(diff)
     mean = sum(diff) / n
     se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (n - 1) / n)
-    print(f"| {a} | {mean:+.6f} ± {se:.6f} | {100 * mean / (sum(k0) / n):+.1f} % | "
+    rel = f"{100 * mean / (sum(k0) / n):+.1f} %" if sum(k0) > 0 else "–"
+    print(f"| {a} | {mean:+.6f} ± {se:.6f} | {rel} | "
           f"{sum(x < 0 for x in diff)} / {sum(x > 0 for x in diff)} |")
 PY

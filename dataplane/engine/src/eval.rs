@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use kvx_kernels::model::{AttnMode, Logits, SeqChunk};
 use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
@@ -267,8 +267,6 @@ pub struct RowFiles {
     save: Option<BufWriter<File>>,
     base: Option<BufReader<File>>,
     kld: Option<BufWriter<File>>,
-    /// The paths of `save` and `base`, for [`RowFiles::with_kld_values`]'s check.
-    paths: Vec<PathBuf>,
 }
 
 /// Whether two paths name one file (as given, or once resolved).
@@ -277,8 +275,14 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 impl RowFiles {
-    /// Opens the base for reading, then creates the file to save to.
-    pub fn open(save: Option<&Path>, base: Option<&Path>) -> Result<Self, EvalError> {
+    /// Checks the three roles name three files (and that divergences have a base), then
+    /// opens the base for reading and creates the files to write: the rows to `save`, each
+    /// scored token's KL divergence from the base to `kld` (see [`Rows::kld`]).
+    pub fn open(
+        save: Option<&Path>,
+        base: Option<&Path>,
+        kld: Option<&Path>,
+    ) -> Result<Self, EvalError> {
         let err = |what: &str, p: &Path, e: std::io::Error| {
             EvalError::Logprobs(format!("{what} {}: {e}", p.display()))
         };
@@ -290,38 +294,30 @@ impl RowFiles {
                 a.display()
             )));
         }
-        let paths = save.into_iter().chain(base).map(Path::to_path_buf).collect();
+        if let Some(k) = kld {
+            if base.is_none() {
+                return Err(EvalError::Logprobs(format!(
+                    "{}: per-token divergences need a base to compare with",
+                    k.display()
+                )));
+            }
+            if save.into_iter().chain(base).any(|p| same_file(p, k)) {
+                return Err(EvalError::Logprobs(format!(
+                    "{} is already the base or the file to save to: writing the divergences \
+                     there would erase it",
+                    k.display()
+                )));
+            }
+        }
         let base = match base {
             Some(p) => Some(BufReader::new(File::open(p).map_err(|e| err("opening", p, e))?)),
             None => None,
         };
-        let save = match save {
-            Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| err("creating", p, e))?)),
-            None => None,
-        };
-        Ok(RowFiles { save, base, kld: None, paths })
-    }
-
-    /// Also writes each scored token's KL divergence from the base to `path` (see
-    /// [`Rows::kld`]), so that two runs over the same base can be compared token by token.
-    pub fn with_kld_values(mut self, path: &Path) -> Result<Self, EvalError> {
-        if self.base.is_none() {
-            return Err(EvalError::Logprobs(format!(
-                "{}: per-token divergences need a base to compare with",
-                path.display()
-            )));
-        }
-        if self.paths.iter().any(|p| same_file(p, path)) {
-            return Err(EvalError::Logprobs(format!(
-                "{} is already the base or the file to save to: writing the divergences there \
-                 would erase it",
-                path.display()
-            )));
-        }
-        let f = File::create(path)
-            .map_err(|e| EvalError::Logprobs(format!("creating {}: {e}", path.display())))?;
-        self.kld = Some(BufWriter::new(f));
-        Ok(self)
+        let create =
+            |p: &Path| File::create(p).map(BufWriter::new).map_err(|e| err("creating", p, e));
+        let save = save.map(create).transpose()?;
+        let kld = kld.map(create).transpose()?;
+        Ok(RowFiles { save, base, kld })
     }
 
     /// The [`Rows`] over these files.
@@ -347,7 +343,8 @@ impl RowFiles {
 
 /// Where a perplexity run's log-probability rows go and what they are measured against:
 /// `save` receives every scored token's log-softmax row (a base for later runs), `base`
-/// gives the rows of an earlier run of the same text, window and model.
+/// gives the rows of an earlier run of the same text, window and model, and `kld` receives
+/// each scored token's divergence from `base`.
 #[derive(Default)]
 pub struct Rows<'a> {
     /// Written: a header, then each scored token's `n_vocab` log-probabilities (f32, LE).
@@ -702,30 +699,30 @@ mod tests {
         std::fs::write(&base, b"saved rows").expect("write");
         let again = dir.join(".").join("base.logp");
         for save in [&base, &again] {
-            let err = RowFiles::open(Some(save), Some(&base)).unwrap_err();
+            let err = RowFiles::open(Some(save), Some(&base), None).unwrap_err();
             assert!(err.to_string().contains("erase the base"), "{err}");
         }
         assert_eq!(std::fs::read(&base).expect("read"), b"saved rows");
         let other = dir.join("other.logp");
-        let mut f = RowFiles::open(Some(&other), Some(&base)).expect("open");
+        let mut f = RowFiles::open(Some(&other), Some(&base), None).expect("open");
         let rows = f.rows();
         assert!(rows.save.is_some() && rows.base.is_some());
         f.finish().expect("flush");
-        assert!(RowFiles::open(None, Some(&dir.join("missing"))).is_err());
+        assert!(RowFiles::open(None, Some(&dir.join("missing")), None).is_err());
         // The divergences' file: never the base or the saved rows, and only with a base.
-        for kld in [&base, &again, &other] {
-            let f = RowFiles::open(Some(&other), Some(&base)).expect("open");
-            let err = f.with_kld_values(kld).unwrap_err();
+        // Nothing is created or truncated before the roles are checked.
+        std::fs::write(&other, b"earlier rows").expect("write");
+        let saved = dir.join("saved.logp");
+        for kld in [&base, &again, &saved] {
+            let err = RowFiles::open(Some(&saved), Some(&base), Some(kld)).unwrap_err();
             assert!(err.to_string().contains("would erase it"), "{err}");
         }
-        assert_eq!(std::fs::read(&base).expect("read"), b"saved rows");
-        let err = RowFiles::open(Some(&other), None)
-            .expect("open")
-            .with_kld_values(&dir.join("k.f64"))
-            .unwrap_err();
+        let err = RowFiles::open(Some(&other), None, Some(&dir.join("k.f64"))).unwrap_err();
         assert!(err.to_string().contains("need a base"), "{err}");
-        let f = RowFiles::open(None, Some(&base)).expect("open");
-        let mut f = f.with_kld_values(&dir.join("k.f64")).expect("kld file");
+        assert_eq!(std::fs::read(&base).expect("read"), b"saved rows");
+        assert_eq!(std::fs::read(&other).expect("read"), b"earlier rows");
+        assert!(!saved.exists() && !dir.join("k.f64").exists());
+        let mut f = RowFiles::open(None, Some(&base), Some(&dir.join("k.f64"))).expect("open");
         assert!(f.rows().kld.is_some());
         f.finish().expect("flush");
         let _ = std::fs::remove_dir_all(&dir);

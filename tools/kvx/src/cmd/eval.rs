@@ -93,10 +93,11 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let prepared = prepare(&args.engine, rt, 1)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let mut backend = prepared.backend()?;
-    let mut files = RowFiles::open(args.save_logits.as_deref(), args.kl_divergence.as_deref())?;
-    if let Some(p) = &args.kld_values {
-        files = files.with_kld_values(p)?;
-    }
+    let mut files = RowFiles::open(
+        args.save_logits.as_deref(),
+        args.kl_divergence.as_deref(),
+        args.kld_values.as_deref(),
+    )?;
     let bs = prepared.sched().block_size;
     let shape = (args.ctx, args.batch, args.chunks.unwrap_or(usize::MAX));
     let (p, n_text) =

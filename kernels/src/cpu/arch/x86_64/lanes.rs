@@ -17,7 +17,7 @@
 //! one-instruction `asm!` blocks (`vpdpbusd`, `vmulps`, `vfmadd231ps` with a broadcast
 //! memory operand at a constant offset into the activation record it is given), each
 //! reading only 4 bytes of that record: the intrinsics compute the same values, but LLVM
-//! broadcast them from registers.
+//! broadcasts them from registers.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -309,7 +309,9 @@ fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
     unsafe {
         std::arch::asm!("vmulps {r}, {v}, dword ptr [{p} + {o}]{{1to16}}", r = lateout(zmm_reg) r,
             v = in(zmm_reg) v, p = in(reg) a, o = const std::mem::offset_of!(LaneAct, d),
-            options(pure, readonly, nostack, preserves_flags))
+            // Not `preserves_flags`: the product sets MXCSR's exception flags, as the
+            // intrinsic's would.
+            options(pure, readonly, nostack))
     };
     r
 }
@@ -323,7 +325,8 @@ fn fmadd_s(mut acc: __m512, m: __m512, a: &LaneAct) -> __m512 {
         std::arch::asm!("vfmadd231ps {acc}, {m}, dword ptr [{p} + {o}]{{1to16}}",
             acc = inout(zmm_reg) acc, m = in(zmm_reg) m, p = in(reg) a,
             o = const std::mem::offset_of!(LaneAct, s),
-            options(pure, readonly, nostack, preserves_flags))
+            // Not `preserves_flags`: MXCSR's exception flags, as above.
+            options(pure, readonly, nostack))
     };
     acc
 }
@@ -360,7 +363,7 @@ fn fast_token<const KIND: u8>(
     // groups, `d_a`, `s_a`) are broadcast by the loads of the instructions that use them:
     // written as intrinsics, LLVM merges neighbouring fields into one wider load and then
     // broadcasts from a register, a shuffle uop each on the port the products need (the
-    // kernel ran at ~183 instead of ~203 GMAC/s, 8 tokens, L1-resident weights, this Xeon).
+    // kernel ran at ~183 instead of ~203 GMAC/s, 8 tokens, weights in L1/L2, this Xeon).
     // The offsets are constants of the instructions, so no address is computed per group.
     // `Q4_1` starts from zero: its correction is 0.
     let mut i0 = if KIND == Q4_1 { _mm512_setzero_si512() } else { _mm512_set1_epi32(a.corr_sum) };
