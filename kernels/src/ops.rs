@@ -512,12 +512,21 @@ pub fn attention(
 }
 
 /// [`attention`] of `heads` query heads that share one KV head (`q`: `heads × head_dim`,
-/// `out`: `heads × v_head_dim`, head after head); each head's output has the bits
-/// [`attention`] gives it alone. The fused kernels load each key and value once for the
-/// group.
+/// `out`: `heads × v_head_dim`, head after head); the fused kernels load each key and value
+/// once for the group.
+///
+/// In ggml's association (`free` false) each head's output has the bits [`attention`] gives
+/// it alone. In the free association of the non-exact arithmetics (`free`:
+/// [`crate::model::Arith::Fast`], [`crate::model::Arith::Split`]) — nearer the model's own
+/// math than ggml's, which rounds the query and the probabilities to f16, and one association
+/// for prompt and decode tokens (`mode` only says whether the rows are read once, for
+/// prefetching) — each head's output has the bits [`attention_free_twin`] gives it, by the
+/// level's fused kernel ([`Kernels::attn_free`]); where the level has none for these shapes
+/// ([`attention_free_covers`]), it is ggml's.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_group(
     k: &Kernels,
+    free: bool,
     mode: AttnMode,
     q: &[f32],
     heads: usize,
@@ -533,13 +542,14 @@ pub fn attention_group(
     if heads == 0 || q.len() != heads * hd || out.len() != heads * vd {
         return Err(KernelError::Shape("attention group operand sizes do not match"));
     }
-    if let Some(fused) = k.attn_head
-        && heads <= MAX_ATTN_GROUP
-    {
+    let fused = [free.then_some(k.attn_free).flatten(), k.attn_head];
+    if heads <= MAX_ATTN_GROUP {
         let softmax = k.softmax;
         let job = AttnHeadJob { mode, q, heads, keys, values, n_pos, scale, softmax, next };
-        if fused(&job, sc, out) {
-            return Ok(());
+        for kernel in fused.into_iter().flatten() {
+            if kernel(&job, sc, out) {
+                return Ok(());
+            }
         }
     }
     if let Some(next) = next {
@@ -551,40 +561,7 @@ pub fn attention_group(
     Ok(())
 }
 
-/// [`attention_group`] in the free association of the non-exact arithmetics
-/// ([`crate::model::Arith::Fast`], [`crate::model::Arith::Split`]): nearer the model's own
-/// math than ggml's, which rounds the query and the probabilities to f16, and one
-/// association for prompt and decode tokens (`mode` only says whether the rows are read
-/// once, for prefetching). Each head's output has the bits [`attention_free_twin`] gives
-/// it, by the level's fused kernel ([`Kernels::attn_free`]); where the level has none for
-/// these shapes, this is [`attention_group`].
-#[allow(clippy::too_many_arguments)]
-pub fn attention_free_group(
-    k: &Kernels,
-    mode: AttnMode,
-    q: &[f32],
-    heads: usize,
-    keys: &PagedHead<'_>,
-    values: &PagedHead<'_>,
-    n_pos: usize,
-    scale: f32,
-    next: Option<&NextRows<'_>>,
-    sc: &mut AttnScratch,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    if let Some(fused) = k.attn_free
-        && heads <= MAX_ATTN_GROUP
-    {
-        let softmax = k.softmax;
-        let job = AttnHeadJob { mode, q, heads, keys, values, n_pos, scale, softmax, next };
-        if fused(&job, sc, out) {
-            return Ok(());
-        }
-    }
-    attention_group(k, mode, q, heads, keys, values, n_pos, scale, next, sc, out)
-}
-
-/// Whether [`attention_free_group`] computes heads of `head_dim` in the free association
+/// Whether [`attention_group`] computes heads of `head_dim` in the free association
 /// on `k` (the level has the kernel and it takes the size); elsewhere it is ggml's.
 pub fn attention_free_covers(k: &Kernels, head_dim: usize) -> bool {
     k.attn_free.is_some()

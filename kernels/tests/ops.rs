@@ -583,24 +583,12 @@ fn grouped_attention_is_bit_identical_per_head() {
                     for heads in 1..=5 {
                         let q = randv(&mut rng, heads * hd);
                         for mode in [AttnMode::Decode, AttnMode::Prefill] {
-                            let mut got = vec![f32::NAN; heads * hd];
                             // With the next unit's rows to fetch (this one's, shifted; rows
                             // past the cache are skipped): a hint, without effect on results.
                             let next = ops::NextRows { keys, values, n_pos: n_pos + 40 };
-                            ops::attention_group(
-                                &k,
-                                mode,
-                                &q,
-                                heads,
-                                &keys,
-                                &values,
-                                n_pos,
-                                scale,
-                                Some(&next),
-                                &mut sc,
-                                &mut got,
-                            )
-                            .unwrap();
+                            let (kv, at) = ((&keys, &values), (n_pos, scale));
+                            let got =
+                                group(&k, false, mode, &q, heads, kv, at, Some(&next), &mut sc);
                             for (g, (qh, got)) in
                                 q.chunks_exact(hd).zip(got.chunks_exact(hd)).enumerate()
                             {
@@ -626,7 +614,28 @@ fn grouped_attention_is_bit_identical_per_head() {
     }
 }
 
-/// The free association ([`ops::attention_free_group`], the non-exact arithmetics): the
+/// `ops::attention_group`'s output for `heads` query heads against `kv` (keys, values) at
+/// `at` (positions, scale).
+#[allow(clippy::too_many_arguments)]
+fn group(
+    k: &Kernels,
+    free: bool,
+    mode: AttnMode,
+    q: &[f32],
+    heads: usize,
+    kv: (&PagedHead<'_>, &PagedHead<'_>),
+    at: (usize, f32),
+    next: Option<&ops::NextRows<'_>>,
+    sc: &mut AttnScratch,
+) -> Vec<f32> {
+    let (keys, values) = kv;
+    let mut out = vec![f32::NAN; heads * values.head_dim];
+    ops::attention_group(k, free, mode, q, heads, keys, values, at.0, at.1, next, sc, &mut out)
+        .unwrap();
+    out
+}
+
+/// The free association ([`ops::attention_group`] with `free`, the non-exact arithmetics): the
 /// level's fused kernel gives every head of a group the bits of [`ops::attention_free_twin`]
 /// for that head alone, in both modes (one association for prompts and decode), over head
 /// sizes the kernel covers and does not, block sizes that do and do not divide 16, lengths
@@ -652,23 +661,19 @@ fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
                         };
                         let next = ops::NextRows { keys, values, n_pos: n_pos + 40 };
                         let mut by_mode = Vec::new();
+                        let (kv, at) = ((&keys, &values), (n_pos, scale));
                         for mode in [AttnMode::Decode, AttnMode::Prefill] {
-                            let mut got = vec![f32::NAN; heads * hd];
-                            ops::attention_free_group(
+                            by_mode.push(group(
                                 &k,
+                                true,
                                 mode,
                                 &q,
                                 heads,
-                                &keys,
-                                &values,
-                                n_pos,
-                                scale,
+                                kv,
+                                at,
                                 Some(&next),
                                 &mut sc,
-                                &mut got,
-                            )
-                            .unwrap();
-                            by_mode.push(got);
+                            ));
                         }
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         // Where the level has no kernel for the shape: ggml's association.
@@ -677,12 +682,8 @@ fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
                             for (mode, got) in
                                 [AttnMode::Decode, AttnMode::Prefill].iter().zip(&by_mode)
                             {
-                                let mut want = vec![f32::NAN; heads * hd];
-                                ops::attention_group(
-                                    &k, *mode, &q, heads, &keys, &values, n_pos, scale, None,
-                                    &mut sc2, &mut want,
-                                )
-                                .unwrap();
+                                let want =
+                                    group(&k, false, *mode, &q, heads, kv, at, None, &mut sc2);
                                 assert_eq!(bits(got), bits(&want), "{} hd={hd}", k.level);
                             }
                         } else {
@@ -763,21 +764,8 @@ fn free_attention_with_values_laid_out_apart_matches_its_twin() {
                 let q = randv(&mut rng, heads * hd);
                 let (mut sc, mut sc2) =
                     (AttnScratch::new(hd.max(vd), 300), AttnScratch::new(hd.max(vd), 300));
-                let mut got = vec![f32::NAN; heads * vd];
-                ops::attention_free_group(
-                    &k,
-                    AttnMode::Decode,
-                    &q,
-                    heads,
-                    &keys,
-                    &values,
-                    n_pos,
-                    scale,
-                    None,
-                    &mut sc,
-                    &mut got,
-                )
-                .unwrap();
+                let (kv, at) = ((&keys, &values), (n_pos, scale));
+                let got = group(&k, true, AttnMode::Decode, &q, heads, kv, at, None, &mut sc);
                 for (g, (qh, got)) in q.chunks_exact(hd).zip(got.chunks_exact(vd)).enumerate() {
                     let mut want = vec![f32::NAN; vd];
                     if ops::attention_free_covers(&k, hd) && vd % 16 == 0 {

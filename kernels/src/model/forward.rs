@@ -13,8 +13,8 @@ use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::cpu::disjoint::{DisjointBytes, DisjointOut};
 use crate::ops::{
-    self, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_free_group, attention_group,
-    matmul, matmul_many, quantize_activations,
+    self, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_group, matmul, matmul_many,
+    quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
 
@@ -421,8 +421,10 @@ impl LlamaModel {
                     let mode = chunks[ci as usize].mode;
                     let n_pos = pos as usize + 1;
                     let next = next.as_ref();
-                    let attend = if free { attention_free_group } else { attention_group };
-                    if attend(k, mode, qh, per, &keys, &values, n_pos, scale, next, sc, o).is_err()
+                    if attention_group(
+                        k, free, mode, qh, per, &keys, &values, n_pos, scale, next, sc, o,
+                    )
+                    .is_err()
                     {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     }

@@ -30,7 +30,7 @@ pub enum Arith {
     Exact = 0,
     /// The quantized products rounded once per block and row ([`LaneMath::Fast`]) where the
     /// CPU has row-lane kernels, and attention in f32 queries and probabilities
-    /// ([`crate::ops::attention_free_group`]) where it has a kernel for it; otherwise as
+    /// ([`crate::ops::attention_group`]) where it has a kernel for it; otherwise as
     /// `Exact`.
     Fast = 1,
     /// As `Fast`, with the Q/K/V products' input quantized in two parts

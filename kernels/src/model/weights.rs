@@ -99,7 +99,7 @@ pub struct LlamaModel {
     /// [`Scratch`](super::Scratch) is made for the model, only where
     /// [`LlamaModel::can_split_qkv`].
     pub split_qkv: bool,
-    /// Whether attention runs in the free association ([`crate::ops::attention_free_group`]:
+    /// Whether attention runs in the free association ([`crate::ops::attention_group`]:
     /// f32 queries and probabilities) rather than ggml's: set for the non-exact arithmetics
     /// ([`Arith::free_attention`](super::Arith::free_attention)) where
     /// [`crate::ops::attention_free_covers`] the model's heads.
