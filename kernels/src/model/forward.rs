@@ -684,11 +684,11 @@ fn quantize_par(
             let ob = DisjointBytes::new(&mut out[..n * row]);
             let failed = std::sync::atomic::AtomicBool::new(false);
             par_tokens(pool, n, &|r| {
-                for t in r {
-                    let src = &x[t * cols..(t + 1) * cols];
-                    if quantize_activations(k, ty, src, cols, ob.range(t * row, row)).is_err() {
-                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
+                // A thread's rows in one call (`quantize_activations` quantizes row by row).
+                let src = &x[r.start * cols..r.end * cols];
+                let dst = ob.range(r.start * row, r.len() * row);
+                if quantize_activations(k, ty, src, cols, dst).is_err() {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
             });
             if failed.load(std::sync::atomic::Ordering::Relaxed) {

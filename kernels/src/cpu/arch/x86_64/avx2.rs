@@ -335,7 +335,7 @@ fn imp_quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+pub(super) fn imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
     let (xs, _) = x.as_chunks::<32>();
     for (b, x) in out.iter_mut().zip(xs) {
         let Some((d, q, sum)) = quantize_block_32(x) else {

@@ -40,6 +40,7 @@ macro_rules! safe_wrapper {
     };
 }
 
+safe_wrapper!(quantize_q8_1 => imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]));
 safe_wrapper!(quantize_q8_k => imp_quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]));
 safe_wrapper!(dot_q4_0_q8_0 => imp_dot_q4_0_q8_0(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32);
 safe_wrapper!(dot_q4_1_q8_1 => imp_dot_q4_1_q8_1(x: &[BlockQ4_1], y: &[BlockQ8_1]) -> f32);
@@ -63,6 +64,7 @@ pub(crate) fn kernels() -> Kernels {
     let base = avx2::kernels();
     Kernels {
         level: SimdLevel::Avx512,
+        quantize_q8_1,
         quantize_q8_k,
         dot_q4_0_q8_0,
         dot_q4_1_q8_1,
@@ -127,6 +129,129 @@ fn store_f32_tail(a: &mut [f32], v: __m512) {
 // ---------------------------------------------------------------------------------------------
 // Activation quantizer.
 // ---------------------------------------------------------------------------------------------
+
+/// Blocks of 32 floats quantized together by [`imp_quantize_q8_1`]: one lane each.
+const Q8_1_GROUP: usize = 16;
+
+/// f32 to `Q8_1`, bit-identical to the AVX2 kernel (and so to [`crate::quant::quantize_q8_1`]
+/// wherever that one is): 16 blocks at a time, with what is per block (the largest
+/// magnitude, the scales, the quants' sum) computed for all 16 at once, lane `b` for block
+/// `b`, by [`transpose_reduce`]; the AVX2 kernel chains one block's maximum, division and
+/// horizontal sum after another. Maxima of magnitudes and integer sums do not depend on
+/// the order; the divisions, products, roundings (to nearest even) and f16 conversions are
+/// the same IEEE operations lane by lane. A group with a NaN (where the AVX2 kernel's
+/// maximum depends on the order) or a scale whose inverse overflows (which the scalar
+/// codec handles) goes to the AVX2 kernel, as do the blocks past the last whole group.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+fn imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    let (groups, _) = x.as_chunks::<{ 32 * Q8_1_GROUP }>();
+    let mut done = 0;
+    for (x, out) in groups.iter().zip(out.chunks_exact_mut(Q8_1_GROUP)) {
+        if !quantize_q8_1_group(x, out) {
+            avx2::imp_quantize_q8_1(x, out);
+        }
+        done += Q8_1_GROUP;
+    }
+    if done < out.len() {
+        avx2::imp_quantize_q8_1(&x[(32 * done).min(x.len())..], &mut out[done..]);
+    }
+}
+
+/// One group of [`imp_quantize_q8_1`]; `false` (nothing written) if it has a NaN or a scale
+/// whose inverse is not finite.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn quantize_q8_1_group(x: &[f32; 32 * Q8_1_GROUP], out: &mut [BlockQ8_1]) -> bool {
+    let (v, _) = x.as_chunks::<16>();
+    let sign = _mm512_set1_ps(-0.0);
+    let mut nan: __mmask16 = 0;
+    let m: [__m512; 16] = std::array::from_fn(|b| {
+        let (lo, hi) = (load_f32x16(&v[2 * b]), load_f32x16(&v[2 * b + 1]));
+        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(lo, hi);
+        _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi))
+    });
+    if nan != 0 {
+        return false;
+    }
+    let amax = transpose_reduce::<MAX_PS>(&m);
+    let zero = _mm512_setzero_ps();
+    let d = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
+    let id = _mm512_maskz_div_ps(
+        _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(amax, zero),
+        _mm512_set1_ps(127.0),
+        amax,
+    );
+    // ±inf: the scalar codec's case.
+    if _mm512_fpclass_ps_mask::<0x18>(id) != 0 {
+        return false;
+    }
+    let mut ids = [0.0f32; 16];
+    store_f32x16(&mut ids, id);
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let sums: [__m512; 16] = std::array::from_fn(|b| {
+        let s = _mm512_set1_ps(ids[b]);
+        let (lo, hi) = (load_f32x16(&v[2 * b]), load_f32x16(&v[2 * b + 1]));
+        let qlo = _mm512_cvt_roundps_epi32::<RNE>(_mm512_mul_ps(lo, s));
+        let qhi = _mm512_cvt_roundps_epi32::<RNE>(_mm512_mul_ps(hi, s));
+        // Signed saturation to bytes, as the AVX2 kernel's two packs give.
+        let (q0, q1) = (_mm512_cvtsepi32_epi8(qlo), _mm512_cvtsepi32_epi8(qhi));
+        let (h0, h1) = out[b].qs.split_at_mut(16);
+        // SAFETY: `h0` is 16 writable bytes.
+        unsafe { _mm_storeu_si128(h0.as_mut_ptr().cast(), q0) };
+        // SAFETY: `h1` is 16 writable bytes.
+        unsafe { _mm_storeu_si128(h1.as_mut_ptr().cast(), q1) };
+        _mm512_castsi512_ps(_mm512_add_epi32(qlo, qhi))
+    });
+    let sum = _mm512_castps_si512(transpose_reduce::<ADD_EPI32>(&sums));
+    let s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum));
+    let (d16, s16) = (_mm512_cvtps_ph::<RNE>(d), _mm512_cvtps_ph::<RNE>(s));
+    let mut dh = [0u16; 16];
+    let mut sh = [0u16; 16];
+    // SAFETY: `dh` is 16 writable halves (32 bytes).
+    unsafe { _mm256_storeu_si256(dh.as_mut_ptr().cast(), d16) };
+    // SAFETY: `sh` is 16 writable halves (32 bytes).
+    unsafe { _mm256_storeu_si256(sh.as_mut_ptr().cast(), s16) };
+    for ((o, d), s) in out.iter_mut().zip(dh).zip(sh) {
+        o.d = half::f16::from_bits(d);
+        o.s = half::f16::from_bits(s);
+    }
+    true
+}
+
+/// [`transpose_reduce`]'s operation: the maximum of floats.
+const MAX_PS: u8 = 0;
+/// [`transpose_reduce`]'s operation: the wrapping sum of 32-bit integers (bit patterns).
+const ADD_EPI32: u8 = 1;
+
+/// The `OP` reduction of each of 16 registers, as 16 lanes: lane `k` reduces register `k`.
+/// For order-independent operations only (the tree is the one of `_mm512_reduce_add_ps`,
+/// 16 registers at once).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
+#[inline]
+fn transpose_reduce<const OP: u8>(v: &[__m512; 16]) -> __m512 {
+    let op = |a: __m512, b: __m512| {
+        if OP == MAX_PS {
+            _mm512_max_ps(a, b)
+        } else {
+            _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+        }
+    };
+    let s: [__m512; 8] = std::array::from_fn(|k| {
+        let (x, y) = (v[2 * k], v[2 * k + 1]);
+        op(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xee>(x, y))
+    });
+    let u: [__m512; 4] = std::array::from_fn(|m| {
+        let (x, y) = (s[2 * m], s[2 * m + 1]);
+        op(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xdd>(x, y))
+    });
+    let w: [__m512; 2] = std::array::from_fn(|m| {
+        let (x, y) = (u[2 * m], u[2 * m + 1]);
+        op(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xee>(x, y))
+    });
+    let r = op(_mm512_shuffle_ps::<0x88>(w[0], w[1]), _mm512_shuffle_ps::<0xdd>(w[0], w[1]));
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(order, r)
+}
 
 /// f32 to `Q8_K`, bit-identical to [`quant_k::quantize_q8_k`]: one 16-float register per
 /// 16-quant group, so each group's sum is one horizontal add.

@@ -33,15 +33,48 @@ fn randv(rng: &mut StdRng, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Inputs the scalar codec answers differently (NaN; infinities, which the AVX2 kernel turns
+/// into NaN products): the AVX-512 `Q8_1` kernel gives the AVX2 kernel's bytes, whichever
+/// position in a group they take.
+#[test]
+fn q8_1_matches_the_avx2_kernel_on_nan_and_infinity() {
+    if !SimdLevel::Avx512.is_supported() {
+        return;
+    }
+    let (k2, k5) = (super::avx2::kernels(), super::avx512::kernels());
+    let mut rng = StdRng::seed_from_u64(72);
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in [0, 31, 32, 200, 511, 600] {
+            let mut x = randv(&mut rng, 3 * QK_K);
+            x[at] = bad;
+            let nb = x.len() / 32;
+            let (mut a, mut b) = (vec![BlockQ8_1::zeroed(); nb], vec![BlockQ8_1::zeroed(); nb]);
+            (k5.quantize_q8_1)(&x, &mut a);
+            (k2.quantize_q8_1)(&x, &mut b);
+            assert!(
+                bytemuck::cast_slice::<_, u8>(&a) == bytemuck::cast_slice::<_, u8>(&b),
+                "{bad} at {at}"
+            );
+        }
+    }
+}
+
 #[test]
 fn raw_quantizers_are_bit_identical_to_the_scalar_codecs() {
     let mut rng = StdRng::seed_from_u64(71);
     let mut inputs: Vec<Vec<f32>> = (1..=6).map(|nb| randv(&mut rng, nb * QK_K)).collect();
-    // All-subnormal blocks (127 / amax overflows) and ties at scale 1.
-    inputs.push((0..QK_K).map(|i| f32::from_bits(1 + 997 * i as u32)).collect());
-    inputs.push(
-        (0..QK_K).map(|i| if i % 32 == 0 { -127.0 } else { (i % 200) as f32 - 99.5 }).collect(),
-    );
+    // All-subnormal blocks (127 / amax overflows) and ties at scale 1, over two lengths: the
+    // AVX-512 `Q8_1` kernel quantizes 16 blocks (512 floats) together.
+    for n in [QK_K, 2 * QK_K] {
+        inputs.push((0..n).map(|i| f32::from_bits(1 + 997 * i as u32)).collect());
+        inputs.push(
+            (0..n).map(|i| if i % 32 == 0 { -127.0 } else { (i % 200) as f32 - 99.5 }).collect(),
+        );
+    }
+    // One subnormal block among normal ones: its group is quantized the AVX2 way.
+    let mut one = randv(&mut rng, 2 * QK_K);
+    one[64..96].iter_mut().enumerate().for_each(|(i, v)| *v = f32::from_bits(1 + i as u32));
+    inputs.push(one);
     for k in raw_tables() {
         for x in &inputs {
             let nb = x.len() / 32;
