@@ -331,7 +331,7 @@ mod tests {
         dequantize_q8_k(&q8, &mut y);
         let err8 = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(err8 < 0.01, "q8_k max error {err8}");
-        // The row dequantizer (the split Q/K/V product's) gives the same values.
+        // The row dequantizer (the split K/V products') gives the same values.
         let mut z = vec![0.0; y.len()];
         crate::quant::dequantize_row(GgmlType::Q8_K, bytemuck::cast_slice(&q8), &mut z).unwrap();
         assert_eq!(y, z);

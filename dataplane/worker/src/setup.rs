@@ -437,10 +437,10 @@ impl EngineSetup {
                         .map_err(|e| model_err("repacking", path, e))?;
                     tracing::debug!(bytes, ?math, "weights repacked into row-lane tiles");
                 }
-                model.split_qkv = arith.split_qkv();
+                model.split_kv = arith.split_kv();
                 model.free_attention = arith.free_attention()
                     && kvx_kernels::ops::attention_free_covers(self.kernels, model.cfg.head_dim);
-                if model.split_qkv && !model.can_split_qkv() {
+                if model.split_kv && !model.can_split_kv() {
                     return Err(SetupError::Invalid(format!(
                         "--arith split: the Q/K/V products of {} do not share one activation \
                          type that kvx can dequantize",

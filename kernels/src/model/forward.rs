@@ -4,7 +4,7 @@
 //! for all tokens of the step, prefill chunks and single decode tokens alike. Arithmetic
 //! follows ggml's CPU backend (activation quantization per weight type, f16 KV cache,
 //! f16-rounded queries and attention probabilities) so tokens track llama.cpp, unless the
-//! model was set up for a non-exact arithmetic (`split_qkv`, `free_attention`).
+//! model was set up for a non-exact arithmetic (`split_kv`, `free_attention`).
 
 use std::sync::Mutex;
 
@@ -80,13 +80,13 @@ pub struct Scratch {
     per_thread: Vec<Mutex<AttnScratch>>,
     /// Attention: where each thread's (token, head) pairs start, and the end.
     attn_bounds: Vec<usize>,
-    /// The split Q/K/V product's buffers ([`LlamaModel::split_qkv`]); empty without.
+    /// The split K/V products' buffers ([`LlamaModel::split_kv`]); empty without.
     split: SplitScratch,
 }
 
-/// Buffers of the split Q/K/V product: the input's residual after its quantization, both
-/// parts quantized (the residual's rows, then the input's), and the products of both (Q, K,
-/// V one after another, each `2n` rows).
+/// Buffers of the split K/V products: the input's residual after its quantization, both
+/// parts quantized (the residual's rows, then the input's), and the products of both (K, then
+/// V, each `2n` rows).
 #[derive(Default)]
 struct SplitScratch {
     resid: Vec<f32>,
@@ -139,7 +139,7 @@ impl Scratch {
                 .map(|_| Mutex::new(AttnScratch::new(c.head_dim, max_ctx)))
                 .collect(),
             attn_bounds: Vec::with_capacity(n_threads.max(1) + 1),
-            split: if model.split_qkv {
+            split: if model.split_kv {
                 let qkv_act = model
                     .layers
                     .iter()
@@ -150,7 +150,7 @@ impl Scratch {
                 SplitScratch {
                     resid: vec![0.0; t * c.n_embd],
                     act: vec![0; qkv_act.div_ceil(4)],
-                    out: vec![0.0; 2 * t * (c.q_dim() + 2 * c.kv_dim())],
+                    out: vec![0.0; 2 * t * 2 * c.kv_dim()],
                 }
             } else {
                 SplitScratch::default()
@@ -300,9 +300,9 @@ impl LlamaModel {
             if wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
                 let ws = [&wq, &wk, &wv];
                 let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
-                if self.split_qkv {
+                if self.split_kv {
                     let x = &s.xn[..n * d];
-                    split_qkv(k, pool, ws, x, &act[..len], &mut s.split, n, outs)?;
+                    split_kv(k, pool, ws, x, &act[..len], &mut s.split, n, outs)?;
                 } else {
                     matmul_many(k, pool, ws, &act[..len], n, outs)?;
                 }
@@ -587,17 +587,17 @@ fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(std::ops::Range<usize>) +
     }
 }
 
-/// The split Q/K/V product ([`LlamaModel::split_qkv`]): `x` times the three matrices, as
-/// its quantization `act` (a row of activation blocks per token) times them plus what that
-/// quantization left out (`x` less `act` dequantized), quantized in turn, times them. The
-/// two parts go through the matrices as one batch of `2n` tokens — the residual's rows
-/// first (quantized in place, where the buffer is aligned), then a copy of the input's — so
-/// each weight is read once for both (a token's products do not depend on its batch), and
-/// each output is the input's product plus the residual's. The model
-/// refuses the flag where the three matrices' activation types differ or do not dequantize
-/// ([`LlamaModel::can_split_qkv`]).
+/// The split K/V products ([`LlamaModel::split_kv`]): `x` times Q from its quantization
+/// `act` (a row of activation blocks per token), as without the split; times K and V as
+/// `act` times them plus what that quantization left out (`x` less `act` dequantized),
+/// quantized in turn, times them. The two parts go through K and V as one batch of `2n`
+/// tokens — the residual's rows first (quantized in place, where the buffer is aligned),
+/// then a copy of the input's — so each weight is read once for both (a token's products
+/// do not depend on its batch), and each K and V output is the input's product plus the
+/// residual's. The model refuses the flag where the three matrices' activation types
+/// differ or do not dequantize ([`LlamaModel::can_split_kv`]).
 #[allow(clippy::too_many_arguments)]
-fn split_qkv(
+fn split_kv(
     k: &Kernels,
     pool: &ThreadPool,
     ws: [&QMatrix<'_>; 3],
@@ -613,19 +613,20 @@ fn split_qkv(
         return Ok(());
     }
     let row = activation_bytes(ty, cols, 1)
-        .ok_or_else(|| ModelError::Batch("split Q/K/V: rows are not whole blocks".into()))?;
-    let widths = outs.each_ref().map(|o| o.len());
-    let total: usize = widths.iter().sum();
+        .ok_or_else(|| ModelError::Batch("split K/V: rows are not whole blocks".into()))?;
+    let [q_out, k_out, v_out] = outs;
+    let (kw, vw) = (k_out.len(), v_out.len());
     let act2 = bytemuck::cast_slice_mut::<u32, u8>(&mut sp.act);
     if act.len() < n * row
         || act2.len() < 2 * n * row
         || sp.resid.len() < x.len()
-        || sp.out.len() < 2 * total
+        || sp.out.len() < 2 * (kw + vw)
     {
         return Err(ModelError::Batch(
-            "split Q/K/V buffers too small (a scratch made before `split_qkv` was set)".into(),
+            "split K/V buffers too small (a scratch made before `split_kv` was set)".into(),
         ));
     }
+    matmul(k, pool, ws[0], &act[..n * row], n, q_out)?;
     {
         let ro = DisjointOut::new(&mut sp.resid[..x.len()]);
         let failed = std::sync::atomic::AtomicBool::new(false);
@@ -642,17 +643,16 @@ fn split_qkv(
         });
         if failed.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(ModelError::Kernel(KernelError::Shape(
-                "split Q/K/V: activation rows could not be dequantized",
+                "split K/V: activation rows could not be dequantized",
             )));
         }
     }
     let (resid, input) = act2[..2 * n * row].split_at_mut(n * row);
     quantize_par(k, pool, ty, &sp.resid[..x.len()], cols, resid)?;
     input.copy_from_slice(&act[..n * row]);
-    let (a, rest) = sp.out[..2 * total].split_at_mut(2 * widths[0]);
-    let (b, c) = rest.split_at_mut(2 * widths[1]);
-    matmul_many(k, pool, ws, &act2[..2 * n * row], 2 * n, [&mut *a, &mut *b, &mut *c])?;
-    for (o, p) in outs.into_iter().zip([&*a, &*b, &*c]) {
+    let (b, c) = sp.out[..2 * (kw + vw)].split_at_mut(2 * kw);
+    matmul_many(k, pool, [ws[1], ws[2]], &act2[..2 * n * row], 2 * n, [&mut *b, &mut *c])?;
+    for (o, p) in [k_out, v_out].into_iter().zip([&*b, &*c]) {
         let (of_resid, of_input) = p.split_at(o.len());
         for ((o, i), r) in o.iter_mut().zip(of_input).zip(of_resid) {
             *o = i + r;
@@ -757,7 +757,7 @@ mod tests {
     use crate::quant::BlockQ8_0;
 
     #[test]
-    fn the_split_product_is_the_inputs_product_plus_the_residuals_for_any_row_size() {
+    fn the_split_products_are_the_inputs_product_plus_the_residuals_for_any_row_size() {
         // `Q8_0` activations of 9 blocks are 306 bytes a row: a second part placed after an
         // odd number of them would start unaligned (and a single-token step would fail).
         let k = crate::cpu::kernels();
@@ -802,12 +802,13 @@ mod tests {
                 let mut sp = SplitScratch {
                     resid: vec![0.0; n * cols],
                     act: vec![0; (2 * n * row).div_ceil(4)],
-                    out: vec![0.0; 2 * n * 64],
+                    out: vec![0.0; 2 * n * 32],
                 };
                 let mut got: Vec<Vec<f32>> = widths.iter().map(|w| vec![0.0; n * w]).collect();
                 let [q, kk, v] = &mut got[..] else { unreachable!() };
-                split_qkv(k, &pool, ws, &x, &act[..n * row], &mut sp, n, [q, kk, v]).unwrap();
-                // The twin: each part through the matrices on its own, then added.
+                split_kv(k, &pool, ws, &x, &act[..n * row], &mut sp, n, [q, kk, v]).unwrap();
+                // The twin: Q the input's product; K and V each part through the matrix on
+                // its own, then added.
                 let mut resid = x.clone();
                 let mut deq = vec![0.0; cols];
                 for (t, r) in resid.chunks_exact_mut(cols).enumerate() {
@@ -822,7 +823,11 @@ mod tests {
                     let (mut a, mut r) = (vec![0.0; n * widths[i]], vec![0.0; n * widths[i]]);
                     matmul(k, &pool, w, &act[..n * row], n, &mut a).unwrap();
                     matmul(k, &pool, w, &ract[..n * row], n, &mut r).unwrap();
-                    let want: Vec<u32> = a.iter().zip(&r).map(|(a, r)| (a + r).to_bits()).collect();
+                    let want: Vec<u32> = if i == 0 {
+                        a.iter().map(|a| a.to_bits()).collect()
+                    } else {
+                        a.iter().zip(&r).map(|(a, r)| (a + r).to_bits()).collect()
+                    };
                     let have: Vec<u32> = got[i].iter().map(|v| v.to_bits()).collect();
                     assert_eq!(have, want, "matrix {i}, {n} tokens");
                 }

@@ -33,10 +33,13 @@ pub enum Arith {
     /// ([`crate::ops::attention_group`]) where it has a kernel for it; otherwise as
     /// `Exact`.
     Fast = 1,
-    /// As `Fast`, with the Q/K/V products' input quantized in two parts
-    /// ([`LlamaModel::split_qkv`]): those products (16 % of a token's multiply-adds) cost
-    /// twice, and the quantization of their input — a quarter of `Exact`'s distance to
-    /// `Reference` — nearly leaves it.
+    /// As `Fast`, with the K and V products' input quantized in two parts
+    /// ([`LlamaModel::split_kv`]): those products (6 % of a layer's multiply-adds) cost
+    /// twice, and the quantization of their input — most of what the Q/K/V products' input
+    /// adds to `Exact`'s distance to `Reference` — nearly leaves it. (Splitting the Q
+    /// product's input too, as this arithmetic once did, cost 16 % of a layer's
+    /// multiply-adds for a further 8 % of the distance: kernels/PERF.md.) The cache rows
+    /// are the same either way: only the queries differ.
     Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
@@ -72,8 +75,8 @@ impl Arith {
         }
     }
 
-    /// Whether the Q/K/V products take their input in two parts ([`LlamaModel::split_qkv`]).
-    pub fn split_qkv(self) -> bool {
+    /// Whether the K and V products take their input in two parts ([`LlamaModel::split_kv`]).
+    pub fn split_kv(self) -> bool {
         self == Arith::Split
     }
 

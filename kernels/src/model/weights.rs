@@ -93,12 +93,12 @@ pub struct LlamaModel {
     /// The output head's fast screen for greedy rows ([`crate::greedy`]), once
     /// [`LlamaModel::repack`] gave the head an exact row-lane copy.
     head_screen: Option<HeadScreen>,
-    /// Whether the Q/K/V products take their input in two quantized parts (the input, then
+    /// Whether the K and V products take their input in two quantized parts (the input, then
     /// what its quantization left out), nearly the f32 input's product at twice those
-    /// products' cost: set by [`Arith::Split`](super::Arith::Split) before any
-    /// [`Scratch`](super::Scratch) is made for the model, only where
-    /// [`LlamaModel::can_split_qkv`].
-    pub split_qkv: bool,
+    /// products' cost (the Q product takes the input's quantization alone): set by
+    /// [`Arith::Split`](super::Arith::Split) before any [`Scratch`](super::Scratch) is made
+    /// for the model, only where [`LlamaModel::can_split_kv`].
+    pub split_kv: bool,
     /// Whether attention runs in the free association ([`crate::ops::attention_group`]:
     /// f32 queries and probabilities) rather than ggml's: set for the non-exact arithmetics
     /// ([`Arith::free_attention`](super::Arith::free_attention)) where
@@ -157,7 +157,7 @@ impl LlamaModel {
             rope_freqs,
             layers,
             head_screen: None,
-            split_qkv: false,
+            split_kv: false,
             free_attention: false,
         };
         // Every matrix must be viewable: this checks types, sizes and alignment once.
@@ -249,9 +249,10 @@ impl LlamaModel {
         self.file.tensors().iter().map(|t| t.size_bytes()).sum()
     }
 
-    /// Whether every layer's Q, K and V products share one activation type that can be
-    /// dequantized, as [`LlamaModel::split_qkv`] needs.
-    pub fn can_split_qkv(&self) -> bool {
+    /// Whether every layer's Q, K and V products share one activation type (one quantization
+    /// of the input serves all three) that can be dequantized, as [`LlamaModel::split_kv`]
+    /// needs.
+    pub fn can_split_kv(&self) -> bool {
         self.layers.iter().all(|l| {
             match [&l.wq, &l.wk, &l.wv].map(|m| crate::quant::vec_dot_type(m.ty())) {
                 [Some(a), Some(b), Some(c)] if a == b && b == c => {
@@ -272,7 +273,7 @@ impl LlamaModel {
     /// and perplexity within 0.2 %: kernels/PERF.md's tables; [`Arith::Fast`] is within a
     /// standard error of `Exact`, either side). That is [`Arith::Split`] where the CPU's
     /// `Fast` row-lane products pay ([`Kernels::fast_lanes_pay`]), every layer's matrices
-    /// repack into row lanes and the Q/K/V products can split ([`Self::can_split_qkv`]);
+    /// repack into row lanes and the K/V products can split ([`Self::can_split_kv`]);
     /// [`Arith::Exact`] everywhere else, where `split` would cost more than it saves.
     pub fn preferred_arith(&self, k: &Kernels) -> Arith {
         let lanes = self.layers.iter().all(|l| {
@@ -280,11 +281,7 @@ impl LlamaModel {
                 .iter()
                 .all(|m| LaneMatrix::supports(m.ty) && m.rows.is_multiple_of(LANE_ROWS))
         });
-        if k.fast_lanes_pay() && lanes && self.can_split_qkv() {
-            Arith::Split
-        } else {
-            Arith::Exact
-        }
+        if k.fast_lanes_pay() && lanes && self.can_split_kv() { Arith::Split } else { Arith::Exact }
     }
 
     /// A kernel view of `m`.

@@ -28,7 +28,7 @@ pub fn model_in(arith: Arith) -> Arc<LlamaModel> {
         LlamaModel::load(Arc::new(GgufFile::open(path).expect("open model"))).expect("load model");
     let math = arith.lane_math().unwrap_or(LaneMath::Exact);
     model.repack(cpu::kernels(), math).expect("repack");
-    model.split_qkv = arith.split_qkv();
+    model.split_kv = arith.split_kv();
     model.free_attention = arith.free_attention()
         && kvx_kernels::ops::attention_free_covers(cpu::kernels(), model.cfg.head_dim);
     Arc::new(model)
