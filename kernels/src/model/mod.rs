@@ -38,8 +38,8 @@ pub enum Arith {
     /// twice, and the quantization of their input — most of what the Q/K/V products' input
     /// adds to `Exact`'s distance to `Reference` — nearly leaves it. (Splitting the Q
     /// product's input too, as this arithmetic once did, cost 16 % of a layer's
-    /// multiply-adds for a further 8 % of the distance: kernels/PERF.md.) The cache rows
-    /// are the same either way: only the queries differ.
+    /// multiply-adds for a further 8 % of the distance: kernels/PERF.md; the KV fingerprint
+    /// tells the two apart, since every layer past the first caches other rows.)
     Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
