@@ -217,7 +217,7 @@ fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact()
     let whole = rows(&mut s, &p, &[n]);
     let steps = rows(&mut s, &p, &[5, 1, n - 6]);
     assert!(whole.iter().zip(&steps).all(|(a, b)| a.to_bits() == b.to_bits()));
-    // It computes something else than exact: the Q/K/V products take a second part.
+    // It computes something else than exact: the K/V products take a second part.
     let mut e = kernels(&exact_m, 8);
     assert_ne!(rows(&mut e, &p, &[n]), whole);
 

@@ -204,7 +204,7 @@ impl Kernels {
     }
 
     /// Whether this CPU's row-lane `Fast` products ([`lanes::LaneMath::Fast`]) run markedly
-    /// faster than its `Exact` ones — by more than the 16 % of a token's multiply-adds that
+    /// faster than its `Exact` ones — by more than the 6 % of a layer's multiply-adds that
     /// `split` computes twice ([`crate::model::Arith::Split`]). False where the level has no
     /// row-lane kernels, and on AMD's family 1Ah (Zen 5) and later, whose full-width 512-bit
     /// FMA pipes run `Exact`'s extra multiply-adds at no cost (measured there, `fast` over
