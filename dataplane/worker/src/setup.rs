@@ -599,7 +599,7 @@ impl Prepared {
     }
 
     /// The arithmetic and kernel level the engines compute in, as a worker registers it with
-    /// its frontend (`split/avx512`, `split/avx512/free-attention`; empty for mock engines):
+    /// its frontend (`split-kv/avx512`, `split-kv/avx512/free-attention`; empty for mock engines):
     /// `split` without row-lane kernels computes otherwise than with them, and with the free
     /// attention kernel otherwise than an earlier build without it (the KV blocks a prefill
     /// worker lends must be the decode worker's bits).
@@ -608,7 +608,7 @@ impl Prepared {
             Backing::Mocker(..) => String::new(),
             Backing::Model(m) => format!(
                 "{}/{}{}",
-                self.setup.effective_arith().name(),
+                self.setup.effective_arith().label(),
                 self.setup.kernels.level,
                 if m.free_attention { "/free-attention" } else { "" }
             ),
@@ -623,7 +623,7 @@ impl Prepared {
             Some(p) => {
                 let len = std::fs::metadata(p).map_or(0, |m| m.len());
                 let name = p.file_name().and_then(|f| f.to_str()).unwrap_or("model");
-                format!("{name}:{len}:{}", self.setup.effective_arith().name())
+                format!("{name}:{len}:{}", self.setup.effective_arith().label())
             }
             None => "mocker".to_string(),
         }

@@ -661,7 +661,8 @@ fn split_kv(
     Ok(())
 }
 
-/// [`quantize_activations`] with the rows split over the pool (row by row, the same bits);
+/// [`quantize_activations`] with the rows split over the pool (each thread's rows in one
+/// call; a block's bits do not depend on its neighbours);
 /// returns the bytes used at the front of `out`.
 fn quantize_par(
     k: &Kernels,
@@ -684,7 +685,7 @@ fn quantize_par(
             let ob = DisjointBytes::new(&mut out[..n * row]);
             let failed = std::sync::atomic::AtomicBool::new(false);
             par_tokens(pool, n, &|r| {
-                // A thread's rows in one call (`quantize_activations` quantizes row by row).
+                // A thread's rows in one call.
                 let src = &x[r.start * cols..r.end * cols];
                 let dst = ob.range(r.start * row, r.len() * row);
                 if quantize_activations(k, ty, src, cols, dst).is_err() {

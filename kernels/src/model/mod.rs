@@ -37,9 +37,10 @@ pub enum Arith {
     /// ([`LlamaModel::split_kv`]): those products (6 % of a layer's multiply-adds) cost
     /// twice, and the quantization of their input — most of what the Q/K/V products' input
     /// adds to `Exact`'s distance to `Reference` — nearly leaves it. (Splitting the Q
-    /// product's input too, as this arithmetic once did, cost 16 % of a layer's
-    /// multiply-adds for a further 8 % of the distance: kernels/PERF.md; the KV fingerprint
-    /// tells the two apart, since every layer past the first caches other rows.)
+    /// product's input too, as this arithmetic once did, cost a further 9 % of a layer's
+    /// multiply-adds, 16 % in all, for 6 more points of `Exact`'s distance, 29 % against
+    /// 23 %: kernels/PERF.md. [`Arith::label`] and the KV fingerprint tell the two apart,
+    /// since every layer past the first caches other rows.)
     Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
@@ -47,6 +48,17 @@ pub enum Arith {
 }
 
 impl Arith {
+    /// The name in labels that tell engines' bits apart across builds (the fleet's arithmetic
+    /// label, the model label of discovery and profiles): [`Arith::name`], but `split-kv` for
+    /// `Split`, whose split moved from the Q/K/V products to the K/V ones (an engine of an
+    /// earlier build computes other rows under the same name).
+    pub fn label(self) -> &'static str {
+        match self {
+            Arith::Split => "split-kv",
+            other => other.name(),
+        }
+    }
+
     /// The name on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {
@@ -119,5 +131,16 @@ mod tests {
             assert_eq!(Arith::from_name(a.name()), Some(a));
         }
         assert_eq!(Arith::from_name("fast-math"), None);
+    }
+
+    #[test]
+    fn labels_are_distinct_and_tell_the_k_v_split_from_the_earlier_one() {
+        let labels = Arith::ALL.map(Arith::label);
+        for (i, l) in labels.iter().enumerate() {
+            assert!(!labels[..i].contains(l), "{l}");
+        }
+        // An earlier build labelled its Q/K/V split `split`: that label must not match.
+        assert_eq!(Arith::Split.label(), "split-kv");
+        assert!(Arith::ALL.iter().all(|a| a.label() != "split"));
     }
 }

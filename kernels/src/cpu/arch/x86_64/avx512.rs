@@ -145,8 +145,9 @@ const Q8_1_GROUP: usize = 16;
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 fn imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
     let (groups, _) = x.as_chunks::<{ 32 * Q8_1_GROUP }>();
+    let (outs, _) = out.as_chunks_mut::<Q8_1_GROUP>();
     let mut done = 0;
-    for (x, out) in groups.iter().zip(out.chunks_exact_mut(Q8_1_GROUP)) {
+    for (x, out) in groups.iter().zip(outs.iter_mut()) {
         if !quantize_q8_1_group(x, out) {
             avx2::imp_quantize_q8_1(x, out);
         }
@@ -161,7 +162,7 @@ fn imp_quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
 /// whose inverse is not finite.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 #[inline]
-fn quantize_q8_1_group(x: &[f32; 32 * Q8_1_GROUP], out: &mut [BlockQ8_1]) -> bool {
+fn quantize_q8_1_group(x: &[f32; 32 * Q8_1_GROUP], out: &mut [BlockQ8_1; Q8_1_GROUP]) -> bool {
     let (v, _) = x.as_chunks::<16>();
     let sign = _mm512_set1_ps(-0.0);
     let mut nan: __mmask16 = 0;

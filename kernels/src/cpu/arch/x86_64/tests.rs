@@ -34,8 +34,9 @@ fn randv(rng: &mut StdRng, n: usize) -> Vec<f32> {
 }
 
 /// Inputs the scalar codec answers differently (NaN; infinities, which the AVX2 kernel turns
-/// into NaN products): the AVX-512 `Q8_1` kernel gives the AVX2 kernel's bytes, whichever
-/// position in a group they take.
+/// into NaN products): the AVX-512 `Q8_1` kernel gives the AVX2 kernel's bytes, at the
+/// first and last element of a group's first and second block, inside a later group, and
+/// in the blocks past the last whole group.
 #[test]
 fn q8_1_matches_the_avx2_kernel_on_nan_and_infinity() {
     if !SimdLevel::Avx512.is_supported() {
@@ -75,6 +76,11 @@ fn raw_quantizers_are_bit_identical_to_the_scalar_codecs() {
     let mut one = randv(&mut rng, 2 * QK_K);
     one[64..96].iter_mut().enumerate().for_each(|(i, v)| *v = f32::from_bits(1 + i as u32));
     inputs.push(one);
+    // A block of zeros and one of negative zeros inside a group (scale 0, inverse 0).
+    let mut zeros = randv(&mut rng, 2 * QK_K);
+    zeros[32..64].fill(0.0);
+    zeros[320..352].fill(-0.0);
+    inputs.push(zeros);
     for k in raw_tables() {
         for x in &inputs {
             let nb = x.len() / 32;
