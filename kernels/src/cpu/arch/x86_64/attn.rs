@@ -64,25 +64,45 @@ fn round_f16(x: __m512) -> __m512 {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[inline]
 fn reduce16(v: &[__m512; 16]) -> __m512 {
+    reduce16_by::<ADD_PS>(v)
+}
+
+/// [`reduce16_by`]'s operation: the sum of floats (in `reduce16`'s association).
+pub(super) const ADD_PS: u8 = 0;
+/// [`reduce16_by`]'s operation: the maximum of floats.
+pub(super) const MAX_PS: u8 = 1;
+/// [`reduce16_by`]'s operation: the wrapping sum of 32-bit integers (bit patterns).
+pub(super) const ADD_EPI32: u8 = 2;
+
+/// The `OP` reduction of each of 16 registers, as 16 lanes: lane `k` reduces register `k`,
+/// by the tree of `_mm512_reduce_add_ps` (pairs of 256-bit halves, then of 128-bit
+/// quarters, then `(b0 + b2) + (b1 + b3)`) for 16 registers at once.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+pub(super) fn reduce16_by<const OP: u8>(v: &[__m512; 16]) -> __m512 {
+    let op = |a: __m512, b: __m512| match OP {
+        ADD_PS => _mm512_add_ps(a, b),
+        MAX_PS => _mm512_max_ps(a, b),
+        _ => _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b))),
+    };
     // [a of register 2k (8 lanes), a of register 2k + 1].
     let s: [__m512; 8] = std::array::from_fn(|k| {
         let (x, y) = (v[2 * k], v[2 * k + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xee>(x, y))
+        op(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xee>(x, y))
     });
     // 128-bit lane j: b of register 4m + j.
     let u: [__m512; 4] = std::array::from_fn(|m| {
         let (x, y) = (s[2 * m], s[2 * m + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xdd>(x, y))
+        op(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xdd>(x, y))
     });
     // Per 128-bit lane j: [b0 + b2, b1 + b3] of register j (of u[0] or u[2]'s group), then of
     // register 4 + j.
     let w: [__m512; 2] = std::array::from_fn(|m| {
         let (x, y) = (u[2 * m], u[2 * m + 1]);
-        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xee>(x, y))
+        op(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xee>(x, y))
     });
     // Lane 4j + i: register 4i + j.
-    let r =
-        _mm512_add_ps(_mm512_shuffle_ps::<0x88>(w[0], w[1]), _mm512_shuffle_ps::<0xdd>(w[0], w[1]));
+    let r = op(_mm512_shuffle_ps::<0x88>(w[0], w[1]), _mm512_shuffle_ps::<0xdd>(w[0], w[1]));
     let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_permutexvar_ps(order, r)
 }

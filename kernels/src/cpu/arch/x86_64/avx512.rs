@@ -21,6 +21,7 @@
 
 use std::arch::x86_64::*;
 
+use super::attn::{ADD_EPI32, MAX_PS, reduce16_by};
 use super::avx2::{
     self, expc, f16_pair, f16_x8, hsum_f32x4, hsum_f32x8, load_i8x16, load_i8x32, load_u8x16,
     load_u8x32, pairs, q4k_mins_dot_bsums, q4k_scales, q6k_offset_correction, scale_product_x8,
@@ -136,7 +137,7 @@ const Q8_1_GROUP: usize = 16;
 /// f32 to `Q8_1`, bit-identical to the AVX2 kernel (and so to [`crate::quant::quantize_q8_1`]
 /// wherever that one is): 16 blocks at a time, with what is per block (the largest
 /// magnitude, the scales, the quants' sum) computed for all 16 at once, lane `b` for block
-/// `b`, by [`transpose_reduce`]; the AVX2 kernel chains one block's maximum, division and
+/// `b`, by [`reduce16_by`]; the AVX2 kernel chains one block's maximum, division and
 /// horizontal sum after another. Maxima of magnitudes and integer sums do not depend on
 /// the order; the divisions, products, roundings (to nearest even) and f16 conversions are
 /// the same IEEE operations lane by lane. A group with a NaN (where the AVX2 kernel's
@@ -174,7 +175,7 @@ fn quantize_q8_1_group(x: &[f32; 32 * Q8_1_GROUP], out: &mut [BlockQ8_1; Q8_1_GR
     if nan != 0 {
         return false;
     }
-    let amax = transpose_reduce::<MAX_PS>(&m);
+    let amax = reduce16_by::<MAX_PS>(&m);
     let zero = _mm512_setzero_ps();
     let d = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
     let id = _mm512_maskz_div_ps(
@@ -203,7 +204,7 @@ fn quantize_q8_1_group(x: &[f32; 32 * Q8_1_GROUP], out: &mut [BlockQ8_1; Q8_1_GR
         unsafe { _mm_storeu_si128(h1.as_mut_ptr().cast(), q1) };
         _mm512_castsi512_ps(_mm512_add_epi32(qlo, qhi))
     });
-    let sum = _mm512_castps_si512(transpose_reduce::<ADD_EPI32>(&sums));
+    let sum = _mm512_castps_si512(reduce16_by::<ADD_EPI32>(&sums));
     let s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum));
     let (d16, s16) = (_mm512_cvtps_ph::<RNE>(d), _mm512_cvtps_ph::<RNE>(s));
     let mut dh = [0u16; 16];
@@ -217,41 +218,6 @@ fn quantize_q8_1_group(x: &[f32; 32 * Q8_1_GROUP], out: &mut [BlockQ8_1; Q8_1_GR
         o.s = half::f16::from_bits(s);
     }
     true
-}
-
-/// [`transpose_reduce`]'s operation: the maximum of floats.
-const MAX_PS: u8 = 0;
-/// [`transpose_reduce`]'s operation: the wrapping sum of 32-bit integers (bit patterns).
-const ADD_EPI32: u8 = 1;
-
-/// The `OP` reduction of each of 16 registers, as 16 lanes: lane `k` reduces register `k`.
-/// For order-independent operations only (the tree is the one of `_mm512_reduce_add_ps`,
-/// 16 registers at once).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
-#[inline]
-fn transpose_reduce<const OP: u8>(v: &[__m512; 16]) -> __m512 {
-    let op = |a: __m512, b: __m512| {
-        if OP == MAX_PS {
-            _mm512_max_ps(a, b)
-        } else {
-            _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-        }
-    };
-    let s: [__m512; 8] = std::array::from_fn(|k| {
-        let (x, y) = (v[2 * k], v[2 * k + 1]);
-        op(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xee>(x, y))
-    });
-    let u: [__m512; 4] = std::array::from_fn(|m| {
-        let (x, y) = (s[2 * m], s[2 * m + 1]);
-        op(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xdd>(x, y))
-    });
-    let w: [__m512; 2] = std::array::from_fn(|m| {
-        let (x, y) = (u[2 * m], u[2 * m + 1]);
-        op(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xee>(x, y))
-    });
-    let r = op(_mm512_shuffle_ps::<0x88>(w[0], w[1]), _mm512_shuffle_ps::<0xdd>(w[0], w[1]));
-    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_permutexvar_ps(order, r)
 }
 
 /// f32 to `Q8_K`, bit-identical to [`quant_k::quantize_q8_k`]: one 16-float register per
