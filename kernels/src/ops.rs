@@ -143,14 +143,13 @@ pub fn quantize_activations<'o>(
     // Rows are whole blocks and lie one after another, so the rows' blocks are one run of
     // blocks, each quantized on its own: one call for all of them gives every row's bytes
     // (and lets a kernel that quantizes several blocks together run across rows).
-    let (src, dst) = (x, &mut *out);
     match act_ty {
-        GgmlType::Q8_0 => (k.quantize_q8_0)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
-        GgmlType::Q8_1 => (k.quantize_q8_1)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
-        GgmlType::Q8_K => (k.quantize_q8_k)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
-        GgmlType::F16 => (k.f32_to_f16)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
-        GgmlType::BF16 => (k.f32_to_bf16)(src, quant::cast_blocks_mut(dst).ok_or(bad)?),
-        GgmlType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
+        GgmlType::Q8_0 => (k.quantize_q8_0)(x, quant::cast_blocks_mut(out).ok_or(bad)?),
+        GgmlType::Q8_1 => (k.quantize_q8_1)(x, quant::cast_blocks_mut(out).ok_or(bad)?),
+        GgmlType::Q8_K => (k.quantize_q8_k)(x, quant::cast_blocks_mut(out).ok_or(bad)?),
+        GgmlType::F16 => (k.f32_to_f16)(x, quant::cast_blocks_mut(out).ok_or(bad)?),
+        GgmlType::BF16 => (k.f32_to_bf16)(x, quant::cast_blocks_mut(out).ok_or(bad)?),
+        GgmlType::F32 => out.copy_from_slice(bytemuck::cast_slice(x)),
         other => return Err(KernelError::UnsupportedType(other)),
     }
     Ok(out)

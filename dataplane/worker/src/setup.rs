@@ -501,8 +501,9 @@ impl EngineSetup {
     /// A fingerprint of what a KV block's bytes depend on: the model file (its size and
     /// its first and last MiB, which hold the metadata and tensor table and the last
     /// weights), the kernels' instruction set and the arithmetic `arith` they compute in
-    /// (with `free_attention`, whether its attention is the free kernel's; for `split`, that
-    /// only its K and V products split), and the cache layout.
+    /// (with `free_attention`, whether its attention is the free kernel's; with its
+    /// [`Arith::label`] where that differs from its name: the bits changed under the same
+    /// name), and the cache layout.
     fn kv_fingerprint(
         &self,
         path: &Path,
@@ -533,10 +534,9 @@ impl EngineSetup {
             // not these bits.
             buf.extend_from_slice(b"free attention");
         }
-        if arith.split_kv() {
-            // `split` once split the Q product's input too: its queries, and so every
-            // layer's rows past the first, were other bits.
-            buf.extend_from_slice(b"split K/V");
+        if arith.label() != arith.name() {
+            // Blocks an earlier build computed under the same name are not these bits.
+            buf.extend_from_slice(arith.label().as_bytes());
         }
         Ok(xxhash_rust::xxh3::xxh3_64(&buf))
     }

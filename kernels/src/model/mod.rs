@@ -39,8 +39,8 @@ pub enum Arith {
     /// adds to `Exact`'s distance to `Reference` — nearly leaves it. (Splitting the Q
     /// product's input too, as this arithmetic once did, cost a further 9 % of a layer's
     /// multiply-adds, 16 % in all, for 6 more points of `Exact`'s distance, 29 % against
-    /// 23 %: kernels/PERF.md. [`Arith::label`] and the KV fingerprint tell the two apart,
-    /// since every layer past the first caches other rows.)
+    /// 23 %: kernels/PERF.md. [`Arith::label`], which the KV fingerprint takes in too, tells
+    /// the two apart, since every layer past the first caches other rows.)
     Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
