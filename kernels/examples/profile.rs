@@ -8,6 +8,9 @@
 //! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4);
 //! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`);
 //! `BS` sets the tokens per cache block (16); `ATTN=ggml` keeps ggml's attention under `fast`.
+//! `RATES=1` times the products alone instead (TOKENS tokens, each arithmetic): one FFN
+//! matrix again and again (in L1/L2), every layer's matrices in turn (from the last-level
+//! cache as far as they fit), and the same after reading 256 MiB of other memory (from DRAM).
 
 #![allow(clippy::disallowed_methods)] // an example reads its settings from the environment
 
@@ -46,8 +49,68 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 && kvx_kernels::ops::attention_free_covers(k, model.cfg.head_dim);
         }
         let name = math.map_or("ggml tiles".to_string(), |m| format!("row-lane {m:?}"));
+        if std::env::var("RATES").is_ok_and(|v| v == "1") {
+            rates(&model, k, &pool, n_tok, &name)?;
+            continue;
+        }
         profile(&model, k, &pool, n_tok, seqs, &name)?;
     }
+    Ok(())
+}
+
+/// The products' rate in multiply-adds per second at `n_tok` tokens, with the weights hot,
+/// cycling through the layers, and evicted to DRAM before each pass (module docs).
+fn rates(
+    model: &LlamaModel,
+    k: &cpu::Kernels,
+    pool: &ThreadPool,
+    n_tok: usize,
+    name: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use kvx_kernels::ops;
+    let body: Vec<_> = model
+        .layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+        .collect();
+    let hot = vec![&model.layers[0].w_up; body.len()];
+    let views = body.iter().map(|m| model.view(m)).collect::<Result<Vec<_>, _>>()?;
+    let cols = views.iter().map(|q| q.cols()).max().unwrap_or(0);
+    let rows = views.iter().map(|q| q.rows()).max().unwrap_or(0);
+    let x: Vec<f32> = (0..n_tok * cols).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
+    let mut act = vec![0u32; n_tok * cols];
+    let mut out = vec![0.0f32; rows * n_tok];
+    let other: Vec<u64> = (0..(256u64 << 20) / 8).collect();
+    print!("{name}, {n_tok} token(s):");
+    for (label, set, evict) in
+        [("hot", &hot, false), ("layers", &body, false), ("evicted", &body, true)]
+    {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            if evict {
+                std::hint::black_box(other.iter().fold(0u64, |a, v| a.wrapping_add(*v)));
+            }
+            let (mut secs, mut macs) = (0.0, 0usize);
+            for m in set.iter() {
+                let q = model.view(m)?;
+                let act = bytemuck::cast_slice_mut(&mut act);
+                let xq = ops::quantize_activations(
+                    k,
+                    q.act_ty(),
+                    &x[..n_tok * q.cols()],
+                    q.cols(),
+                    act,
+                )?;
+                let t = Instant::now();
+                ops::matmul(k, pool, &q, xq, n_tok, &mut out[..q.rows() * n_tok])?;
+                secs += t.elapsed().as_secs_f64();
+                macs += q.rows() * q.cols() * n_tok;
+            }
+            best = best.min(secs / macs as f64);
+        }
+        print!("  {label} {:.0} GMAC/s", 1e-9 / best);
+    }
+    println!();
     Ok(())
 }
 

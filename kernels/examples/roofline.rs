@@ -1,5 +1,9 @@
 //! This CPU's roofline numbers for kernels/PERF.md: memory read bandwidth (1 and N threads),
-//! peak int8 `vpdpbusd` and f32 FMA rates per core (AVX-512 and AVX2 register widths).
+//! peak int8 `vpdpbusd` and f32 FMA rates per core (AVX-512 and AVX2 register widths), and
+//! two access patterns of a decode step: one thread's rate over rows scattered in runs of
+//! 2 KiB (one head's rows of a 16-token cache block) to 128 KiB, and whether a stream of the
+//! default model's size (96 MiB of weights) keeps its place in the last-level cache when a
+//! shard's cache rows (37 MiB: 8 sequences × 200 positions) are read between its passes.
 //!
 //! `cargo run --release -p kvx-kernels --example roofline [THREADS]`
 
@@ -38,8 +42,85 @@ fn main() {
         "read bandwidth, 1 thread, 24 MiB (L3): {:.1} GB/s",
         (l3.len() * 8) as f64 / best / 1e9
     );
+    scattered(&buf);
+    weights_beside_rows(&buf);
     #[cfg(target_arch = "x86_64")]
     peak::run();
+}
+
+/// Bytes of cache rows a decode step of one shard reads: 8 sequences × 200 positions ×
+/// 23,040 bytes (30 layers × 3 KV heads × 64 dimensions × keys and values × f16).
+const ROWS_BYTES: usize = 8 * 200 * 23_040;
+
+/// Where the runs of [`ROWS_BYTES`] in `run`-byte pieces lie in `buf` (a fixed scatter).
+fn run_starts(buf: &[u64], run: usize) -> Vec<usize> {
+    let (words, slots) = (run / 8, buf.len() * 8 / run);
+    (0..ROWS_BYTES / run).map(|i| (i * 7919 + 13) % slots * words).collect()
+}
+
+/// Sums the runs of `run` bytes at `starts` in `buf`.
+fn sum_runs(buf: &[u64], starts: &[usize], run: usize) -> u64 {
+    starts.iter().fold(0, |a, &s| a.wrapping_add(sum(&buf[s..s + run / 8])))
+}
+
+/// One thread's read rate over [`ROWS_BYTES`] in runs of 2 KiB to 128 KiB at scattered
+/// places of a buffer far larger than the last-level cache.
+fn scattered(buf: &[u64]) {
+    let evict = &buf[buf.len() / 2..];
+    for run in [2 << 10, 8 << 10, 32 << 10, 128 << 10] {
+        let starts = run_starts(&buf[..buf.len() / 2], run);
+        let best = (0..5)
+            .map(|_| {
+                black_box(sum(evict));
+                let t = Instant::now();
+                black_box(sum_runs(buf, &starts, run));
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        println!(
+            "read bandwidth, 1 thread, {} MiB in scattered runs of {} KiB: {:.1} GB/s",
+            ROWS_BYTES >> 20,
+            run >> 10,
+            ROWS_BYTES as f64 / best / 1e9
+        );
+    }
+}
+
+/// A 96 MiB stream (the default model's weights and head) read again and again, alone and
+/// with [`ROWS_BYTES`] of scattered 2 KiB runs (the cache rows of a shard's decode step)
+/// read between its passes: how fast the stream comes (from the last-level cache, or from
+/// DRAM once the rows have pushed it out).
+fn weights_beside_rows(buf: &[u64]) {
+    let weights = &buf[..(96 << 20) / 8];
+    let rows = &buf[weights.len()..];
+    let run = 2 << 10;
+    let starts = run_starts(rows, run);
+    for with_rows in [false, true] {
+        let (mut w, mut r) = (0.0f64, 0.0f64);
+        for pass in 0..12 {
+            let t = Instant::now();
+            black_box(sum(weights));
+            let tw = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            if with_rows {
+                black_box(sum_runs(rows, &starts, run));
+            }
+            // The first passes fill the cache.
+            if pass >= 2 {
+                w += tw;
+                r += t.elapsed().as_secs_f64();
+            }
+        }
+        let label = if with_rows { "with the rows between passes" } else { "alone" };
+        print!(
+            "96 MiB weight stream, 1 thread, {label}: {:.1} GB/s",
+            10.0 * (96 << 20) as f64 / w / 1e9
+        );
+        if with_rows {
+            print!("; the rows {:.1} GB/s", 10.0 * ROWS_BYTES as f64 / r / 1e9);
+        }
+        println!();
+    }
 }
 
 fn sum(x: &[u64]) -> u64 {
