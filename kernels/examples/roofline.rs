@@ -2,8 +2,9 @@
 //! peak int8 `vpdpbusd` and f32 FMA rates per core (AVX-512 and AVX2 register widths), and
 //! two access patterns of a decode step: one thread's rate over rows scattered in runs of
 //! 2 KiB (one head's rows of a 16-token cache block) to 128 KiB, and whether a stream of the
-//! default model's size (96 MiB of weights) keeps its place in the last-level cache when a
-//! shard's cache rows (37 MiB: 8 sequences × 200 positions) are read between its passes.
+//! default model's size (a 96 MiB stream; the model's weights and head are 96 MB) keeps its
+//! place in the last-level cache when a shard's cache rows (37 MB: 8 sequences × 200
+//! positions) are read between its passes.
 //!
 //! `cargo run --release -p kvx-kernels --example roofline [THREADS]`
 
@@ -86,7 +87,8 @@ fn scattered(buf: &[u64]) {
     }
 }
 
-/// A 96 MiB stream (the default model's weights and head) read again and again, alone and
+/// A 96 MiB stream (about the default model's 96 MB of weights and head) read again and
+/// again, alone and
 /// with [`ROWS_BYTES`] of scattered 2 KiB runs (the cache rows of a shard's decode step)
 /// read between its passes: how fast the stream comes (from the last-level cache, or from
 /// DRAM once the rows have pushed it out).
