@@ -81,7 +81,7 @@ fn rates(
     let x: Vec<f32> = (0..n_tok * cols).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
     let mut act = vec![0u32; n_tok * cols];
     let mut out = vec![0.0f32; rows * n_tok];
-    // Four times the last-level cache this machine's VM gives one core in practice (~100 MB
+    // Five times the last-level cache this machine's VM gives one core in practice (~100 MB
     // of a reported 480 MiB), read twice before each pass.
     let other: Vec<u64> = (0..(512u64 << 20) / 8).collect();
     print!("{name}, {n_tok} token(s):");

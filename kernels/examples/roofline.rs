@@ -65,14 +65,16 @@ fn sum_runs(buf: &[u64], starts: &[usize], run: usize) -> u64 {
 }
 
 /// One thread's read rate over [`ROWS_BYTES`] in runs of 2 KiB to 128 KiB at scattered
-/// places of a buffer far larger than the last-level cache.
+/// places of a buffer far larger than the last-level cache, each pass after reading 512 MiB
+/// of other memory twice (so that the runs come from DRAM).
 fn scattered(buf: &[u64]) {
-    let evict = &buf[buf.len() / 2..];
+    let evict: Vec<u64> = (0..(512u64 << 20) / 8).collect();
     for run in [2 << 10, 8 << 10, 32 << 10, 128 << 10] {
         let starts = run_starts(&buf[..buf.len() / 2], run);
         let best = (0..5)
             .map(|_| {
-                black_box(sum(evict));
+                black_box(sum(&evict));
+                black_box(sum(&evict));
                 let t = Instant::now();
                 black_box(sum_runs(buf, &starts, run));
                 t.elapsed().as_secs_f64()
@@ -88,10 +90,9 @@ fn scattered(buf: &[u64]) {
 }
 
 /// A 96 MiB stream (about the default model's 96 MB of weights and head) read again and
-/// again, alone and
-/// with [`ROWS_BYTES`] of scattered 2 KiB runs (the cache rows of a shard's decode step)
-/// read between its passes: how fast the stream comes (from the last-level cache, or from
-/// DRAM once the rows have pushed it out).
+/// again, alone and with [`ROWS_BYTES`] of scattered 2 KiB runs (the cache rows of a shard's
+/// decode step) read between its passes: how fast the stream comes (from the last-level
+/// cache, or from DRAM once the rows have pushed it out).
 fn weights_beside_rows(buf: &[u64]) {
     let weights = &buf[..(96 << 20) / 8];
     let rows = &buf[weights.len()..];
