@@ -74,8 +74,8 @@ fn rates(
         .iter()
         .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
         .collect();
-    let hot = vec![&model.layers[0].w_up; body.len()];
     let views = body.iter().map(|m| model.view(m)).collect::<Result<Vec<_>, _>>()?;
+    let hot = vec![model.view(&model.layers[0].w_up)?; views.len()];
     let cols = views.iter().map(|q| q.cols()).max().unwrap_or(0);
     let rows = views.iter().map(|q| q.rows()).max().unwrap_or(0);
     let x: Vec<f32> = (0..n_tok * cols).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
@@ -86,7 +86,7 @@ fn rates(
     let other: Vec<u64> = (0..(512u64 << 20) / 8).collect();
     print!("{name}, {n_tok} token(s):");
     for (label, set, evict) in
-        [("hot", &hot, false), ("layers", &body, false), ("evicted", &body, true)]
+        [("hot", &hot, false), ("layers", &views, false), ("evicted", &views, true)]
     {
         let mut best = f64::INFINITY;
         for _ in 0..5 {
@@ -96,8 +96,7 @@ fn rates(
                 }
             }
             let (mut secs, mut macs) = (0.0, 0usize);
-            for m in set.iter() {
-                let q = model.view(m)?;
+            for q in set.iter() {
                 let act = bytemuck::cast_slice_mut(&mut act);
                 let xq = ops::quantize_activations(
                     k,
@@ -107,7 +106,7 @@ fn rates(
                     act,
                 )?;
                 let t = Instant::now();
-                ops::matmul(k, pool, &q, xq, n_tok, &mut out[..q.rows() * n_tok])?;
+                ops::matmul(k, pool, q, xq, n_tok, &mut out[..q.rows() * n_tok])?;
                 secs += t.elapsed().as_secs_f64();
                 macs += q.rows() * q.cols() * n_tok;
             }
