@@ -70,7 +70,7 @@ fn lanes_equal_the_reference_for_every_shape_token_and_thread_count() {
                 let m = QMatrix::new(ty, rows, cols, w.bytes()).unwrap().with_lanes(&lm).unwrap();
                 assert!(m.uses_lanes(&k));
                 let mut scratch = MatmulScratch::new();
-                for n_tok in (1..=12).chain([15, 16, 17, 23, 40, 64, 70]) {
+                for n_tok in (1..=12).chain([15, 16, 17, 23, 40, 64, 70, 130]) {
                     let act = activations(&mut rng, &k, &m, n_tok);
                     let pool = &pools[(n_tok + rows) % pools.len()];
                     let mut out = vec![f32::NAN; n_tok * rows];

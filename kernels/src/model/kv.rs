@@ -117,13 +117,17 @@ impl KvCache {
         let (per_layer, total) = Self::sizes(cfg, n_blocks, block_size)?;
         // Allocated as zeroed memory (`u16` zeros take the allocator's zeroed path, which
         // `f16` does not), so the pages stay untouched until blocks are first written: no
-        // start-up pass over the whole budget, and resident memory grows with use. Not on
-        // huge pages: a first write would then zero 2 MiB at once inside a step (measured
-        // at 3.3 % of a 16-request `kvx generate`, against 0.5 % with 4 KiB pages) for no
-        // measurable gain in attention.
+        // start-up pass over the whole budget, and resident memory grows with use. On huge
+        // pages where the system grants them: a decode step reads its sequences' rows from
+        // blocks scattered over the cache (a step of 8 sequences at 200 positions touches
+        // ~9,000 pages of 4 KiB, more than the second-level TLB holds); with 2 MiB pages its
+        // attention took 4.0 instead of 4.6 ms (kernels/PERF.md). The price is a first
+        // write that zeroes 2 MiB at once inside a step, once per page for the life of the
+        // cache (3.3 % of a short 16-request `kvx generate`, against 0.5 % with 4 KiB pages).
         let alloc = || {
             // 32 elements more, so that the data can start on a 64-byte boundary.
             let mut v = bytemuck::allocation::cast_vec::<u16, f16>(vec![0u16; total + ALIGN]);
+            crate::cpu::advise_huge_pages(v.as_ptr().cast(), std::mem::size_of_val(&v[..]));
             let at = v.as_ptr().align_offset(ALIGN * 2).min(ALIGN);
             let p = NonNull::from(&mut v[at..]).cast::<f16>();
             (v, p)

@@ -229,15 +229,21 @@ fn pv_classes<const W: usize, const G: usize>(
 }
 
 /// Asks for the cache lines of the rows of `len` halves at `offs` in `data` (rows outside
-/// `data` are skipped).
+/// `data` are skipped). Rows that follow one another (a block's, the usual case) are asked
+/// for as one run: a prefetch a line and a pointer step, nothing per row.
 #[inline(always)]
 fn prefetch_rows<const HINT: i32>(data: &[f16], offs: &[usize], len: usize) {
-    for &o in offs {
-        let Some(row) = data.get(o..o + len) else { continue };
-        for line in row.chunks(32) {
+    let (Some(&first), Some(&last)) = (offs.first(), offs.last()) else { return };
+    let one_run = last == first + (offs.len() - 1) * len;
+    let runs = if one_run { std::slice::from_ref(&first) } else { offs };
+    let run_len = if one_run { offs.len() * len } else { len };
+    for &o in runs {
+        let Some(run) = data.get(o..o + run_len) else { continue };
+        let bytes = 2 * run.len();
+        for off in (0..bytes).step_by(64) {
             // SAFETY: a prefetch never faults and has no architectural effect; the address is
             // inside `data`.
-            unsafe { _mm_prefetch::<HINT>(line.as_ptr().cast()) };
+            unsafe { _mm_prefetch::<HINT>(run.as_ptr().cast::<u8>().wrapping_add(off).cast()) };
         }
     }
 }
