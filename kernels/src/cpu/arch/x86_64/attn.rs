@@ -233,8 +233,8 @@ fn pv_classes<const W: usize, const G: usize>(
 /// for as one run: a prefetch a line and a pointer step, nothing per row.
 #[inline(always)]
 fn prefetch_rows<const HINT: i32>(data: &[f16], offs: &[usize], len: usize) {
-    let (Some(&first), Some(&last)) = (offs.first(), offs.last()) else { return };
-    let one_run = last == first + (offs.len() - 1) * len;
+    let Some(&first) = offs.first() else { return };
+    let one_run = offs.windows(2).all(|w| w[1] == w[0] + len);
     let runs = if one_run { std::slice::from_ref(&first) } else { offs };
     let run_len = if one_run { offs.len() * len } else { len };
     for &o in runs {

@@ -7,7 +7,7 @@
 //! [`EXACT_GROUP`] tokens: 9 registers each); `Fast` one (groups of [`FAST_GROUP`]). Chunks
 //! of at most [`CHUNK`] tokens are the outer loop, row tiles the next: a tile's records are
 //! read from memory once per chunk and reused from L1 by every group of the chunk. Chunks
-//! and groups are split evenly (130 tokens: chunks of 44, 43 and 43, groups of 14 or 15),
+//! and groups are split evenly (130 tokens: chunks of 43, 43 and 44, groups of 14 or 15),
 //! so that no short chunk or group pays a whole pass over the records for a few tokens.
 //!
 //! # Safety
@@ -40,7 +40,7 @@ const Q8_0: u8 = 2;
 const FAST_GROUP: usize = 16;
 /// Tokens per group of the `Exact` kernel: 2 × 9 accumulators and the 8 weight vectors.
 const EXACT_GROUP: usize = 2;
-/// Tokens per chunk: each row tile runs all groups of a chunk while its records (at most
+/// Tokens per chunk, at most (chunks are split evenly): each row tile runs all groups of a chunk while its records (at most
 /// 48 blocks × 576 bytes) stay in L1, and the chunk's activation records (64 × 48 × 76
 /// bytes at most for this model family) in L2; a decode step's weights stream from memory
 /// once.
@@ -167,8 +167,8 @@ fn imp_pack_q8_0<const C: i32>(src: &[BlockQ8_0], dst: &mut [LaneAct]) {
 fn imp_run<const KIND: u8, const EXACT: bool>(job: &LaneJob<'_>, rows: Range<usize>) {
     job.check(&rows);
     let tiles = rows.start / LANE_ROWS..rows.end / LANE_ROWS;
-    // Chunks, and a chunk's groups, as even as they can be: 130 tokens are chunks of 44, 43
-    // and 43 tokens in groups of 14 or 15, not 64, 64 and 2 (a last chunk of 2 tokens reads
+    // Chunks, and a chunk's groups, as even as they can be: 130 tokens are chunks of 43, 43
+    // and 44 tokens in groups of 14 or 15, not 64, 64 and 2 (a last chunk of 2 tokens reads
     // every record again for two tokens' work, and a group of 2 unpacks a record for 2).
     let n = job.n_tok;
     let group = if EXACT { EXACT_GROUP } else { FAST_GROUP };
@@ -184,6 +184,7 @@ fn imp_run<const KIND: u8, const EXACT: bool>(job: &LaneJob<'_>, rows: Range<usi
             let mut ahead = (tile + PREFETCH_TILES < tiles.end).then_some(tile + PREFETCH_TILES);
             for k in 0..groups {
                 let g = c0 + (k + 1) * (c1 - c0) / groups - t0;
+                debug_assert!((1..=group).contains(&g), "a group of {g} tokens");
                 let pf = ahead.take();
                 match (EXACT, g) {
                     (true, 1) => exact::<KIND, 1>(job, tile, t0, pf),
@@ -296,8 +297,9 @@ fn fast<const KIND: u8, const T: usize>(
         prefetch_record(job, ahead, b, lpr);
         let (wv, dw, mw) = record::<KIND>(base.wrapping_add(b * lpr * 64));
         // The tokens written out one by one (`T` is a constant: the tests fold away), so
-        // that every accumulator stays in a register: left as a loop, LLVM keeps the
-        // `Q4_1` kernel's eight on the stack (a load and a store per token and block).
+        // that the accumulators stay in registers (at 16 tokens LLVM keeps a few on the
+        // stack): left as a loop, LLVM kept even the `Q4_1` kernel's eight there (a load
+        // and a store per token and block).
         macro_rules! token {
             ($t:literal) => {
                 if let (Some(acc), Some(a)) = (acc.get_mut($t), acts.get($t)) {
@@ -387,7 +389,8 @@ fn fast_token<const KIND: u8>(
     one_chain: bool,
 ) {
     // Exact integers: any order of these additions gives the same sum, so the chain is
-    // split in two for latency. The operands that are the same for all 16 rows (the 4-byte
+    // split in two for latency when the group has few tokens to interleave (`one_chain`
+    // otherwise). The operands that are the same for all 16 rows (the 4-byte
     // groups, `d_a`, `s_a`) are broadcast by the loads of the instructions that use them:
     // written as intrinsics, LLVM merges neighbouring fields into one wider load and then
     // broadcasts from a register, a shuffle uop each on the port the products need (the
