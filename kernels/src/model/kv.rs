@@ -123,10 +123,11 @@ impl KvCache {
         // ~9,000 pages of 4 KiB, more than the second-level TLB holds); with 2 MiB pages its
         // attention took 4.0 instead of 4.6 ms (kernels/PERF.md). The price is a first
         // write that zeroes 2 MiB at once inside a step, once per page for the life of the
-        // cache; fresh memory zeroes slowly on this VM (~0.3 GB/s), so a fresh process pays
-        // it visibly: +1 s of system time over a 13 s serving run (which still comes out
-        // faster), +0.3 s and +80 ms of TTFT on a 2 s 16-request `kvx generate`. With the THP
-        // `defrag` setting `madvise` (this machine's) such a fault may also compact memory.
+        // cache; where fresh memory zeroes slowly (~0.3 GB/s on the KVM guest of
+        // kernels/PERF.md) a fresh process pays it visibly: +1 s of system time over a 13 s
+        // serving run there (which still came out faster), +0.3 s and +80 ms of TTFT on a 2 s
+        // 16-request `kvx generate`. Under the THP `defrag` setting `madvise` such a fault may
+        // also compact memory.
         let alloc = || {
             // 32 elements more, so that the data can start on a 64-byte boundary.
             let mut v = bytemuck::allocation::cast_vec::<u16, f16>(vec![0u16; total + ALIGN]);

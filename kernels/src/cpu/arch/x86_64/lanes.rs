@@ -40,10 +40,10 @@ const Q8_0: u8 = 2;
 const FAST_GROUP: usize = 16;
 /// Tokens per group of the `Exact` kernel: 2 × 9 accumulators and the 8 weight vectors.
 const EXACT_GROUP: usize = 2;
-/// Tokens per chunk, at most (chunks are split evenly): each row tile runs all groups of a chunk while its records (at most
-/// 48 blocks × 576 bytes) stay in L1, and the chunk's activation records (64 × 48 × 76
-/// bytes at most for this model family) in L2; a decode step's weights stream from memory
-/// once.
+/// Tokens per chunk, at most (chunks are split evenly): each row tile runs all groups of a
+/// chunk while its records (at most 48 blocks × 576 bytes) stay in L1, and the chunk's
+/// activation records (64 × 48 × 76 bytes at most for this model family) in L2; a decode
+/// step's weights stream from memory once.
 const CHUNK: usize = 64;
 /// Row tiles ahead whose records a tile's first group prefetches.
 const PREFETCH_TILES: usize = 2;
