@@ -398,27 +398,28 @@ fn fast_token<const KIND: u8>(
     // The offsets are constants of the instructions, so no address is computed per group.
     // `Q4_1` starts from zero: its correction is 0.
     let mut i0 = if KIND == Q4_1 { _mm512_setzero_si512() } else { _mm512_set1_epi32(a.corr_sum) };
+    // The eight groups into chains `x` (0..4) and `y` (4..8), interleaved; one chain when
+    // both name the same register.
+    macro_rules! chains {
+        ($x:ident, $y:ident) => {
+            $x = dpbusd_group::<0>($x, wv[0], a);
+            $y = dpbusd_group::<4>($y, wv[4], a);
+            $x = dpbusd_group::<1>($x, wv[1], a);
+            $y = dpbusd_group::<5>($y, wv[5], a);
+            $x = dpbusd_group::<2>($x, wv[2], a);
+            $y = dpbusd_group::<6>($y, wv[6], a);
+            $x = dpbusd_group::<3>($x, wv[3], a);
+            $y = dpbusd_group::<7>($y, wv[7], a);
+        };
+    }
     let i = if one_chain {
         // A group of several tokens has their chains to interleave: one chain a token saves
         // the add that joins two.
-        i0 = dpbusd_group::<0>(i0, wv[0], a);
-        i0 = dpbusd_group::<1>(i0, wv[1], a);
-        i0 = dpbusd_group::<2>(i0, wv[2], a);
-        i0 = dpbusd_group::<3>(i0, wv[3], a);
-        i0 = dpbusd_group::<4>(i0, wv[4], a);
-        i0 = dpbusd_group::<5>(i0, wv[5], a);
-        i0 = dpbusd_group::<6>(i0, wv[6], a);
-        dpbusd_group::<7>(i0, wv[7], a)
+        chains!(i0, i0);
+        i0
     } else {
         let mut i1 = _mm512_setzero_si512();
-        i0 = dpbusd_group::<0>(i0, wv[0], a);
-        i1 = dpbusd_group::<4>(i1, wv[4], a);
-        i0 = dpbusd_group::<1>(i0, wv[1], a);
-        i1 = dpbusd_group::<5>(i1, wv[5], a);
-        i0 = dpbusd_group::<2>(i0, wv[2], a);
-        i1 = dpbusd_group::<6>(i1, wv[6], a);
-        i0 = dpbusd_group::<3>(i0, wv[3], a);
-        i1 = dpbusd_group::<7>(i1, wv[7], a);
+        chains!(i0, i1);
         _mm512_add_epi32(i0, i1)
     };
     let d = mul_d(dw, a);
