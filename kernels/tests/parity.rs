@@ -729,9 +729,22 @@ fn rmsnorm_matches_reference() {
 fn rmsnorm_rows_match_rmsnorm_row_by_row() {
     let mut rng = rng(43);
     for k in levels() {
-        for d in [1, 7, 64, 576] {
+        for d in [1, 7, 64, 100, 576] {
             for rows in [1, 3, 8, 9, 16, 21] {
-                let x: Vec<f32> = randv(&mut rng, rows * d).iter().map(|v| v * 37.0).collect();
+                // Magnitudes over 2^±24 too, so that the order of the f64 additions shows.
+                let wide = rows % 2 == 1;
+                let x: Vec<f32> =
+                    randv(&mut rng, rows * d)
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| {
+                            if wide {
+                                v * (2.0f32).powi((i * 7 % 49) as i32 - 24)
+                            } else {
+                                v * 37.0
+                            }
+                        })
+                        .collect();
                 let w = randv(&mut rng, d);
                 let mut a = vec![0.0; rows * d];
                 (k.rmsnorm_rows)(&x, &w, 1e-5, &mut a);
@@ -744,6 +757,27 @@ fn rmsnorm_rows_match_rmsnorm_row_by_row() {
                 }
             }
         }
+    }
+    // A row whose f32 result depends on the order of its f64 additions: in order, each
+    // 2^-54 is lost against 1 + 2^-24 (half an f64 step is 2^-53), whose mean is an f32 tie
+    // (rounded to even, down); summed first, the 510 small squares tip it up.
+    let d = 512;
+    let mut row = vec![2.0f32.powi(-27); d];
+    row[0] = 1.0;
+    row[1] = 2.0f32.powi(-12);
+    let x: Vec<f32> = (0..8).flat_map(|_| row.iter().copied()).collect();
+    let w = vec![1.0; d];
+    for k in levels() {
+        let mut a = vec![0.0; 8 * d];
+        (k.rmsnorm_rows)(&x, &w, 0.0, &mut a);
+        let mut b = vec![0.0; d];
+        (k.rmsnorm)(&row, &w, 0.0, &mut b);
+        assert_eq!(a[..d], b[..], "the order of the squares' sum at {}", k.level);
+        let mut rev = row.clone();
+        rev.reverse();
+        let mut c = vec![0.0; d];
+        (k.rmsnorm)(&rev, &w, 0.0, &mut c);
+        assert_ne!(b[0].to_bits(), c[d - 1].to_bits(), "the case shows the order");
     }
 }
 

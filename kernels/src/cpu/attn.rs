@@ -108,7 +108,19 @@ pub struct AttnScratch {
     pub(crate) wide: Vec<f64>,
     /// Row offsets of positions (fused kernels).
     pub(crate) offs: Vec<usize>,
+    /// Register-sized scratch of the fused kernels (their queries and score accumulators:
+    /// [`REG_SCRATCH`] of 64 bytes, zeroed once here instead of per call).
+    pub(crate) regs: Vec<Reg64>,
 }
+
+/// 64 bytes aligned as a 512-bit register: scratch that the x86 kernels view as registers.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+pub(crate) struct Reg64(pub(crate) [f32; 16]);
+
+/// Registers of [`AttnScratch::regs`]: 16 score accumulators and [`MAX_FUSED_HEAD`] / 16
+/// query chunks per head of a group of [`MAX_ATTN_GROUP`].
+pub(crate) const REG_SCRATCH: usize = MAX_ATTN_GROUP * (16 + MAX_FUSED_HEAD / 16);
 
 /// The operands of one query head's attention, as [`attention`](crate::ops::attention)
 /// hands them to the level's fused kernels ([`Kernels::attn_head`](super::Kernels::attn_head),
@@ -152,6 +164,7 @@ impl AttnScratch {
             classes: vec![0.0; MAX_ATTN_GROUP * 64 * head_dim],
             wide: vec![0.0; head_dim],
             offs: vec![0; max_ctx.max(1)],
+            regs: vec![Reg64::default(); REG_SCRATCH],
         }
     }
 }

@@ -37,7 +37,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::exact::{load_h16, load16, store16};
-use crate::cpu::attn::{AttnHeadJob, AttnMode, AttnScratch, MAX_ATTN_GROUP, PagedHead};
+use crate::cpu::attn::{AttnHeadJob, AttnMode, AttnScratch, MAX_ATTN_GROUP, PagedHead, Reg64};
 
 /// The safe entry installed in the AVX-512 table.
 pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
@@ -290,18 +290,35 @@ fn operands_fit(job: &AttnHeadJob<'_>, sc: &AttnScratch, out: &[f32]) -> bool {
         && sc.offs.len() >= n
 }
 
-/// The job's queries in registers (or close by), rounded to f16 when `round` (ggml's).
+/// The job's queries, rounded to f16 when `round` (ggml's), into `qa` (heads past the
+/// job's and chunks past its head size keep what they held).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
-fn queries(job: &AttnHeadJob<'_>, round: bool) -> [[__m512; MAX_HEAD / 16]; MAX_GROUP] {
+fn queries(job: &AttnHeadJob<'_>, round: bool, qa: &mut [[__m512; MAX_HEAD / 16]; MAX_GROUP]) {
     let hd = job.keys.head_dim;
-    let mut qa = [[_mm512_setzero_ps(); MAX_HEAD / 16]; MAX_GROUP];
     for (g, qv) in qa.iter_mut().enumerate().take(job.heads) {
         for (i, q) in qv.iter_mut().take(hd / 16).enumerate() {
             let v = load16(&job.q[g * hd + 16 * i..]);
             *q = if round { round_f16(v) } else { v };
         }
     }
-    qa
+}
+
+/// The register scratch of `regs` as the score accumulators and the queries.
+#[allow(clippy::type_complexity)]
+fn reg_views(
+    regs: &mut [Reg64],
+) -> Option<(&mut [[__m512; 16]; MAX_GROUP], &mut [[__m512; MAX_HEAD / 16]; MAX_GROUP])> {
+    const ACC: usize = 16 * MAX_GROUP;
+    const QA: usize = MAX_HEAD / 16 * MAX_GROUP;
+    let regs = regs.get_mut(..ACC + QA)?;
+    let (acc, qa) = regs.split_at_mut(ACC);
+    // SAFETY: `Reg64` is 64 bytes aligned to 64, as `__m512` is, and every bit pattern is a
+    // valid `__m512`; `acc` holds exactly `16 · MAX_GROUP` of them, the array's size.
+    let acc = unsafe { &mut *acc.as_mut_ptr().cast::<[[__m512; 16]; MAX_GROUP]>() };
+    // SAFETY: as above; `qa` holds exactly `MAX_HEAD / 16 · MAX_GROUP`, and does not overlap
+    // `acc`.
+    let qa = unsafe { &mut *qa.as_mut_ptr().cast::<[[__m512; MAX_HEAD / 16]; MAX_GROUP]>() };
+    Some((acc, qa))
 }
 
 /// The scores of a job's `heads` queries (`qa`, already in registers) against its keys,
@@ -313,10 +330,13 @@ fn queries(job: &AttnHeadJob<'_>, round: bool) -> [[__m512; MAX_HEAD / 16]; MAX_
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 fn scores_and_value_rows(
     job: &AttnHeadJob<'_>,
-    qa: &[[__m512; MAX_HEAD / 16]; MAX_GROUP],
+    round: bool,
     gemm: bool,
     sc: &mut AttnScratch,
 ) -> bool {
+    let Some((acc, qa)) = reg_views(&mut sc.regs) else { return false };
+    queries(job, round, qa);
+    let qa = &*qa;
     let (keys, values, n, gn) = (job.keys, job.values, job.n_pos, job.heads);
     let (hd, vd) = (keys.head_dim, values.head_dim);
     // Where each position's rows start (validated once, no division per row).
@@ -332,7 +352,6 @@ fn scores_and_value_rows(
         && keys.data.len() == values.data.len();
     let decode = job.mode == AttnMode::Decode;
     let scores = &mut sc.scores[..gn * n];
-    let mut acc = [[_mm512_setzero_ps(); 16]; MAX_GROUP];
     let mut p0 = 0;
     let parts = n.div_ceil(16);
     while p0 < n {
@@ -353,7 +372,7 @@ fn scores_and_value_rows(
                 prefetch_rows::<_MM_HINT_T1>(values.data, ko, vd);
             }
         }
-        let a = &mut acc;
+        let a = &mut *acc;
         match (hd, gemm, gn) {
             (64, true, 1) => keys16::<4, true, 1>(qa, keys.data, ko, a),
             (64, true, 2) => keys16::<4, true, 2>(qa, keys.data, ko, a),
@@ -406,8 +425,7 @@ fn imp_attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
         return false;
     }
     // The queries rounded to f16, in registers (or close by).
-    let qa = queries(job, true);
-    if !scores_and_value_rows(job, &qa, gemm_scores, sc) {
+    if !scores_and_value_rows(job, true, gemm_scores, sc) {
         return false;
     }
     let (scores, offs) = (&mut sc.scores[..gn * n], &sc.offs[..n]);
@@ -562,8 +580,7 @@ fn imp_attn_free_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32
     if !operands_fit(job, sc, out) {
         return false;
     }
-    let qa = queries(job, false);
-    if !scores_and_value_rows(job, &qa, true, sc) {
+    if !scores_and_value_rows(job, false, true, sc) {
         return false;
     }
     let scores = &mut sc.scores[..gn * n];

@@ -31,6 +31,7 @@ wrapper!("avx2", dot_f16_gemm_avx2 => imp_dot_f16_gemm_avx2(x: &[f16], y: &[f16]
 wrapper!("avx2", softmax_avx2 => imp_softmax_avx2(x: &mut [f32], scale: f32));
 wrapper!("avx2", swiglu_avx2 => imp_swiglu_avx2(g: &[f32], u: &[f32], out: &mut [f32]));
 wrapper!("avx2", fma_f16_avx2 => imp_fma_f16_avx2(a: f32, x: &[f16], y: &mut [f32]));
+wrapper!("avx2", rmsnorm_rows_avx2 => imp_rmsnorm_rows_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]));
 wrapper!("avx512", dot_f16_decode_512 => imp_dot_f16_decode_512(x: &[f16], y: &[f16]) -> f32);
 wrapper!("avx512", dot_f16_gemm_512 => imp_dot_f16_gemm_512(x: &[f16], y: &[f16]) -> f32);
 wrapper!("avx512", softmax_512 => imp_softmax_512(x: &mut [f32], scale: f32));
@@ -43,6 +44,7 @@ pub(crate) fn patch_avx2(k: &mut Kernels) {
     k.softmax = softmax_avx2;
     k.swiglu = swiglu_avx2;
     k.axpy_f16 = fma_f16_avx2;
+    k.rmsnorm_rows = rmsnorm_rows_avx2;
 }
 
 pub(crate) fn patch_avx512(k: &mut Kernels) {
@@ -52,8 +54,111 @@ pub(crate) fn patch_avx512(k: &mut Kernels) {
     k.softmax = softmax_512;
     k.swiglu = swiglu_512;
     k.axpy_f16 = fma_f16_avx2;
+    k.rmsnorm_rows = rmsnorm_rows_avx2;
     k.attn_head = Some(super::attn::attn_head_512);
     k.attn_free = Some(super::attn::attn_free_512);
+}
+
+/// ggml's `rms_norm` of each `w.len()`-long row of `x` into the same row of `out`, with
+/// [`crate::cpu::reference::rmsnorm`]'s bits row by row: eight rows at a time, each row's
+/// squares (rounded to f32) added in order to an f64 lane of its own. Per 8 columns the 8
+/// rows' squares are transposed (8 × 8) so that column `j` of all 8 rows is one vector, and
+/// the 8 columns join their lanes' sums one after another — the reference's additions in
+/// the reference's order, 8 rows per instruction instead of one. Rows past the last group
+/// of 8 take the reference.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn imp_rmsnorm_rows_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    const R: usize = 8;
+    let d = w.len();
+    let n = x.len().min(out.len());
+    if d == 0 || n < d {
+        return;
+    }
+    let groups = n / (d * R);
+    let main = d - d % 8;
+    for g in 0..groups {
+        let xg = &x[g * d * R..(g + 1) * d * R];
+        // Lanes 0..4 of `lo` and of `hi`: rows 0..4 and 4..8.
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        for i in (0..main).step_by(8) {
+            let sq: [__m256; R] = std::array::from_fn(|r| {
+                let v = load8(&xg[r * d + i..r * d + i + 8]);
+                _mm256_mul_ps(v, v)
+            });
+            for c in transpose8(sq) {
+                lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(c)));
+                hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(c)));
+            }
+        }
+        let mut sums = [0.0f64; R];
+        let (s0, s1) = sums.split_at_mut(4);
+        // SAFETY: `s0` holds 4 f64.
+        unsafe { _mm256_storeu_pd(s0.as_mut_ptr(), lo) };
+        // SAFETY: `s1` holds 4 f64.
+        unsafe { _mm256_storeu_pd(s1.as_mut_ptr(), hi) };
+        for (r, sum) in sums.iter_mut().enumerate() {
+            for &v in &xg[r * d + main..(r + 1) * d] {
+                *sum += f64::from(v * v);
+            }
+            let row = r * d..(r + 1) * d;
+            rms_scale(&xg[row.clone()], w, eps, *sum, &mut out[g * d * R..][row]);
+        }
+    }
+    let done = groups * d * R;
+    for (xr, or) in x[done..n].chunks_exact(d).zip(out[done..n].chunks_exact_mut(d)) {
+        crate::cpu::reference::rmsnorm(xr, w, eps, or);
+    }
+}
+
+/// The second half of [`crate::cpu::reference::rmsnorm`] (its bits), 8 columns at a time:
+/// `out = (x · scale) · w`, `scale = 1 / sqrt(f32(sum / len) + eps)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn rms_scale(x: &[f32], w: &[f32], eps: f32, sum: f64, out: &mut [f32]) {
+    let n = x.len().min(w.len()).min(out.len());
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    let sv = _mm256_set1_ps(scale);
+    let main = n - n % 8;
+    for i in (0..main).step_by(8) {
+        let v = _mm256_mul_ps(_mm256_mul_ps(load8(&x[i..i + 8]), sv), load8(&w[i..i + 8]));
+        store8(&mut out[i..i + 8], v);
+    }
+    for ((o, &v), &w) in out[main..n].iter_mut().zip(&x[main..n]).zip(&w[main..n]) {
+        *o = (v * scale) * w;
+    }
+}
+
+/// The 8 × 8 transpose: lane `r` of result `j` is lane `j` of `v[r]`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
+    // Pairs of rows interleaved, then quads, then the 128-bit halves exchanged.
+    let t: [__m256; 8] = std::array::from_fn(|k| {
+        let (a, b) = (v[2 * (k / 2)], v[2 * (k / 2) + 1]);
+        if k % 2 == 0 { _mm256_unpacklo_ps(a, b) } else { _mm256_unpackhi_ps(a, b) }
+    });
+    // t[0] = r0r1 lanes (0,1 | 4,5), t[1] = r0r1 (2,3 | 6,7), t[2], t[3]: rows 2, 3; ...
+    let u: [__m256; 8] = std::array::from_fn(|k| {
+        let base = 4 * (k / 4);
+        let (a, b) = (t[base + (k % 2)], t[base + 2 + (k % 2)]);
+        if (k / 2) % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm256_shuffle_ps::<0xee>(a, b)
+        }
+    });
+    // u[0]: rows 0..4, columns 0 | 4; u[2]: columns 1 | 5; u[1]: 2 | 6; u[3]: 3 | 7 (u[4..]
+    // the same for rows 4..8).
+    let col = [0usize, 2, 1, 3];
+    std::array::from_fn(|j| {
+        let (a, b) = (u[col[j % 4]], u[4 + col[j % 4]]);
+        if j < 4 {
+            _mm256_permute2f128_ps::<0x20>(a, b)
+        } else {
+            _mm256_permute2f128_ps::<0x31>(a, b)
+        }
+    })
 }
 
 fn f32_bits(b: u32) -> f32 {
@@ -395,13 +500,26 @@ fn reduce_add_zmm(v: __m512) -> f32 {
 fn imp_softmax_512(x: &mut [f32], scale: f32) {
     let n = x.len();
     let main = n - n % 16;
+    // The partial last register: its lanes past the row are masked off in every pass (a
+    // masked lane's maximum candidate is -inf, its exponential exactly zero).
+    let tail = (n - main) as u32;
+    let mask: __mmask16 = ((1u32 << tail) - 1) as u16;
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let vs = _mm512_set1_ps(scale);
     // `_mm512_max_ps(v, m)` keeps `m` when `v` is NaN or both are zeros, as `v > m` does.
-    let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut vmax = ninf;
     for c in x[..main].chunks_exact_mut(16) {
         let v = _mm512_mul_ps(load16(c), vs);
         store16(c, v);
         vmax = _mm512_max_ps(v, vmax);
+    }
+    let rest = &mut x[main..];
+    if tail > 0 {
+        // SAFETY: the mask covers the `tail` floats of `rest` only.
+        let v = _mm512_mul_ps(unsafe { _mm512_mask_loadu_ps(ninf, mask, rest.as_ptr()) }, vs);
+        // SAFETY: as above.
+        unsafe { _mm512_mask_storeu_ps(rest.as_mut_ptr(), mask, v) };
+        vmax = _mm512_mask_max_ps(vmax, mask, v, vmax);
     }
     let mut max = f32::NEG_INFINITY;
     for &m in lanes16(vmax).iter() {
@@ -409,13 +527,8 @@ fn imp_softmax_512(x: &mut [f32], scale: f32) {
             max = m;
         }
     }
-    for v in x[main..].iter_mut() {
-        *v *= scale;
-        if *v > max {
-            max = *v;
-        }
-    }
     if max == 0.0 {
+        // Which zero is the first maximum depends on the order: the in-order scan decides.
         max = f32::NEG_INFINITY;
         for &v in x.iter() {
             if v > max {
@@ -430,23 +543,28 @@ fn imp_softmax_512(x: &mut [f32], scale: f32) {
         store16(c, e);
         sum += f64::from(reduce_add_zmm(e));
     }
-    let tail = &mut x[main..];
-    if !tail.is_empty() {
-        let mut buf = [f32::NEG_INFINITY; 16];
-        buf[..tail.len()].copy_from_slice(tail);
-        let mut e = lanes16(v_expf_512(_mm512_sub_ps(load16(&buf), vmax)));
+    let rest = &mut x[main..];
+    if tail > 0 {
+        // SAFETY: the mask covers the `tail` floats of `rest` only.
+        let v = unsafe { _mm512_mask_loadu_ps(ninf, mask, rest.as_ptr()) };
         // Lanes past the row stand for ggml's masked (-inf) entries: exactly zero.
-        e[tail.len()..].fill(0.0);
-        tail.copy_from_slice(&e[..tail.len()]);
-        sum += f64::from(Reduce::Zmm.apply(&e));
+        let e = _mm512_maskz_mov_ps(mask, v_expf_512(_mm512_sub_ps(v, vmax)));
+        // SAFETY: as above.
+        unsafe { _mm512_mask_storeu_ps(rest.as_mut_ptr(), mask, e) };
+        sum += f64::from(reduce_add_zmm(e));
     }
     let inv = (1.0 / sum) as f32;
     let vinv = _mm512_set1_ps(inv);
     for c in x[..main].chunks_exact_mut(16) {
         store16(c, _mm512_mul_ps(load16(c), vinv));
     }
-    for v in x[main..].iter_mut() {
-        *v *= inv;
+    let rest = &mut x[main..];
+    if tail > 0 {
+        let zero = _mm512_setzero_ps();
+        // SAFETY: the mask covers the `tail` floats of `rest` only.
+        let v = _mm512_mul_ps(unsafe { _mm512_mask_loadu_ps(zero, mask, rest.as_ptr()) }, vinv);
+        // SAFETY: as above.
+        unsafe { _mm512_mask_storeu_ps(rest.as_mut_ptr(), mask, v) };
     }
 }
 
