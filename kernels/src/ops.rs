@@ -7,7 +7,8 @@
 //! the SIMD kernels that share them, and re-exported here.
 
 pub use crate::cpu::attn::{
-    AttnHeadFn, AttnHeadJob, AttnMode, AttnScratch, MAX_ATTN_GROUP, NextRows, PagedHead,
+    ATTN_TILE, AttnHeadFn, AttnHeadJob, AttnMode, AttnScratch, AttnTileFn, AttnTileJob,
+    MAX_ATTN_GROUP, NextRows, PagedHead,
 };
 pub use crate::cpu::rope::{rope_cache, rope_neox, rope_norm};
 
@@ -510,6 +511,20 @@ pub fn attention(
         }
     }
     attention_generic(k, mode, q, keys, values, n_pos, scale, sc, out)
+}
+
+/// [`attention_group`] in the free association for a tile of consecutive prompt tokens of
+/// one sequence (token `j` of `job.tokens` attends to `job.n0 + j` positions; `out[j]` gets
+/// its `heads × head_dim` outputs), each token's bits those [`attention_group`] gives it
+/// alone: `true` when the level's tile kernel ([`Kernels::attn_free_tile`]) covered it,
+/// `false`, with nothing written, when the caller must attend token by token.
+pub fn attention_tile_free(
+    k: &Kernels,
+    job: &AttnTileJob<'_>,
+    sc: &mut AttnScratch,
+    out: &mut [&mut [f32]],
+) -> bool {
+    k.attn_free_tile.is_some_and(|tile| tile(job, sc, out))
 }
 
 /// [`attention`] of `heads` query heads that share one KV head (`q`: `heads × head_dim`,

@@ -642,6 +642,85 @@ fn group(
 /// around multiples of 16, with the next unit's rows named; and the twin itself is nearer the
 /// exact f64 attention than ggml's association is allowed to be (no f16 roundings).
 #[test]
+fn free_attention_tiles_give_each_token_its_own_bits() {
+    let mut rng = rng(71);
+    let mut tiled = 0;
+    for k in levels() {
+        for hd in [64usize, 32] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            for block_size in [1usize, 7, 16] {
+                for n0 in [1usize, 2, 14, 15, 16, 17, 31, 64, 100, 253] {
+                    let c = make_cache(&mut rng, n0 + ops::ATTN_TILE, block_size, 2, hd);
+                    let mut sc = AttnScratch::new(hd, 300);
+                    let mut sc2 = AttnScratch::new(hd, 300);
+                    let (keys, values) = c.heads(block_size, 2, hd, 1);
+                    for heads in 1..=4 {
+                        for tokens in 1..=ops::ATTN_TILE {
+                            let qs: Vec<Vec<f32>> = (0..ops::ATTN_TILE)
+                                .map(|j| {
+                                    randv(&mut rng, heads * hd)
+                                        .iter()
+                                        .map(|v| v * (1 + j) as f32)
+                                        .collect()
+                                })
+                                .collect();
+                            let job = ops::AttnTileJob {
+                                q: std::array::from_fn(|j| &qs[j][..]),
+                                tokens,
+                                heads,
+                                keys: &keys,
+                                values: &values,
+                                n0,
+                                scale,
+                                softmax: k.softmax,
+                            };
+                            let mut outs = vec![vec![f32::NAN; heads * hd]; tokens];
+                            let mut views: Vec<&mut [f32]> =
+                                outs.iter_mut().map(|o| &mut o[..]).collect();
+                            if !ops::attention_tile_free(&k, &job, &mut sc, &mut views) {
+                                assert!(
+                                    outs.iter().flatten().all(|v| v.is_nan()),
+                                    "nothing written"
+                                );
+                                continue;
+                            }
+                            tiled += 1;
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            for (j, got) in outs.iter().enumerate() {
+                                let at = (n0 + j, scale);
+                                let want = group(
+                                    &k,
+                                    true,
+                                    AttnMode::Prefill,
+                                    &qs[j],
+                                    heads,
+                                    (&keys, &values),
+                                    at,
+                                    None,
+                                    &mut sc2,
+                                );
+                                assert_eq!(
+                                    bits(got),
+                                    bits(&want),
+                                    "{} hd={hd} bs={block_size} n0={n0} {heads} heads, token {j} of {tokens}",
+                                    k.level
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if Kernels::for_level(kvx_kernels::cpu::SimdLevel::Avx512)
+        .is_some_and(|k| k.attn_free_tile.is_some())
+    {
+        assert!(tiled > 0, "the tile kernel ran");
+    }
+}
+
+#[test]
 fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
     let mut rng = rng(67);
     let mut fused_runs = 0;

@@ -25,33 +25,34 @@ fn every_table_slot_has_a_parity_test() {
     for k in levels() {
         let Kernels {
             level: _,
-            quantize_q8_0: _, // activation_quantizers_*
-            quantize_q8_1: _, // activation_quantizers_*
-            quantize_q8_k: _, // activation_quantizers_*, q8_k_*
-            dot_q4_0_q8_0: _, // quantized_dots_*
-            dot_q4_1_q8_1: _, // quantized_dots_*
-            dot_q8_0_q8_0: _, // quantized_dots_*
-            dot_q4_k_q8_k: _, // quantized_dots_*
-            dot_q6_k_q8_k: _, // quantized_dots_*
-            dot_f16: _,       // float_dots_*
-            dot_f16_gemm: _,  // float_dots_*
-            attn: _,          // data (the association of the f16 dots), not a kernel
-            dot_bf16: _,      // float_dots_*
-            dot_f32: _,       // float_dots_*
-            f32_to_f16: _,    // conversions_*
-            f32_to_bf16: _,   // conversions_*
-            f16_to_f32: _,    // conversions_*
-            axpy_f16: _,      // axpy_*
-            rmsnorm: _,       // rmsnorm_*
-            rmsnorm_rows: _,  // rmsnorm_*
-            softmax: _,       // softmax_*
-            swiglu: _,        // swiglu_*, silu_*
-            rope_norm: _,     // rope_*
-            rope_neox: _,     // rope_*
-            attn_head: _,     // tests/ops.rs fused_attention_*
-            attn_free: _,     // tests/ops.rs free_attention_*
-            gemm: _,          // tests/matmul_exact.rs
-            lanes: _,         // tests/matmul_lanes.rs
+            quantize_q8_0: _,  // activation_quantizers_*
+            quantize_q8_1: _,  // activation_quantizers_*
+            quantize_q8_k: _,  // activation_quantizers_*, q8_k_*
+            dot_q4_0_q8_0: _,  // quantized_dots_*
+            dot_q4_1_q8_1: _,  // quantized_dots_*
+            dot_q8_0_q8_0: _,  // quantized_dots_*
+            dot_q4_k_q8_k: _,  // quantized_dots_*
+            dot_q6_k_q8_k: _,  // quantized_dots_*
+            dot_f16: _,        // float_dots_*
+            dot_f16_gemm: _,   // float_dots_*
+            attn: _,           // data (the association of the f16 dots), not a kernel
+            dot_bf16: _,       // float_dots_*
+            dot_f32: _,        // float_dots_*
+            f32_to_f16: _,     // conversions_*
+            f32_to_bf16: _,    // conversions_*
+            f16_to_f32: _,     // conversions_*
+            axpy_f16: _,       // axpy_*
+            rmsnorm: _,        // rmsnorm_*
+            rmsnorm_rows: _,   // rmsnorm_*
+            softmax: _,        // softmax_*
+            swiglu: _,         // swiglu_*, silu_*
+            rope_norm: _,      // rope_*
+            rope_neox: _,      // rope_*
+            attn_head: _,      // tests/ops.rs fused_attention_*
+            attn_free: _,      // tests/ops.rs free_attention_*
+            attn_free_tile: _, // tests/ops.rs free_attention_tiles_*
+            gemm: _,           // tests/matmul_exact.rs
+            lanes: _,          // tests/matmul_lanes.rs
         } = k;
     }
 }

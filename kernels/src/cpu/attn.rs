@@ -111,6 +111,8 @@ pub struct AttnScratch {
     /// Register-sized scratch of the fused kernels (their queries and score accumulators:
     /// [`REG_SCRATCH`] of 64 bytes, zeroed once here instead of per call).
     pub(crate) regs: Vec<Reg64>,
+    /// 16 key rows in f32 (a tile's chunk of keys, converted once for all its tokens).
+    pub(crate) keys32: Vec<Reg64>,
 }
 
 /// 64 bytes aligned as a 512-bit register: scratch that the x86 kernels view as registers.
@@ -154,17 +156,50 @@ pub struct AttnHeadJob<'a> {
 /// malformed operands).
 pub type AttnHeadFn = fn(&AttnHeadJob<'_>, &mut AttnScratch, &mut [f32]) -> bool;
 
+/// Consecutive prompt tokens whose attention [`AttnTileFn`] computes together, at most.
+pub const ATTN_TILE: usize = 4;
+
+/// The operands of a tile of consecutive prompt tokens of one sequence, each with the same
+/// query heads of one KV head, in the free association: token `j` attends to `n0 + j`
+/// positions. The kernel reads each key and value row once for the tile.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnTileJob<'a> {
+    /// Each token's query heads (`heads × head_dim` f32); the first `tokens` are used.
+    pub q: [&'a [f32]; ATTN_TILE],
+    /// Tokens in the tile (1 to [`ATTN_TILE`]).
+    pub tokens: usize,
+    /// Query heads per token sharing these keys and values (at most [`MAX_ATTN_GROUP`]).
+    pub heads: usize,
+    /// Keys of the head's KV head.
+    pub keys: &'a PagedHead<'a>,
+    /// Values of the head's KV head.
+    pub values: &'a PagedHead<'a>,
+    /// Positions the first token attends to (`0..n0`; token `j`, `0..n0 + j`).
+    pub n0: usize,
+    /// Score scale (`1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// The level's softmax.
+    pub softmax: fn(&mut [f32], f32),
+}
+
+/// A level's free-association attention of a tile of prompt tokens (`out[j]`: token `j`'s
+/// `heads × head_dim` outputs): each token's outputs have the bits [`AttnHeadFn`] (the level's
+/// `attn_free`) gives it alone. Returns `false`, having written nothing, when it does not
+/// cover the operands' shapes (the caller then attends token by token).
+pub type AttnTileFn = fn(&AttnTileJob<'_>, &mut AttnScratch, &mut [&mut [f32]]) -> bool;
+
 impl AttnScratch {
     /// Buffers for heads of `head_dim` over up to `max_ctx` positions.
     pub fn new(head_dim: usize, max_ctx: usize) -> Self {
         AttnScratch {
             q16: vec![f16::ZERO; head_dim],
-            scores: vec![0.0; MAX_ATTN_GROUP * max_ctx.max(1)],
+            scores: vec![0.0; ATTN_TILE * MAX_ATTN_GROUP * max_ctx.max(1)],
             probs: vec![f16::ZERO; max_ctx.max(1)],
             classes: vec![0.0; MAX_ATTN_GROUP * 64 * head_dim],
             wide: vec![0.0; head_dim],
             offs: vec![0; max_ctx.max(1)],
             regs: vec![Reg64::default(); REG_SCRATCH],
+            keys32: vec![Reg64::default(); 16 * MAX_FUSED_HEAD / 16],
         }
     }
 }

@@ -39,6 +39,7 @@ pub const KERNELS: Kernels = Kernels {
     rope_neox: super::rope::rope_neox,
     attn_head: None,
     attn_free: None,
+    attn_free_tile: None,
     gemm: super::gemm::Gemm::NONE,
     lanes: None,
 };

@@ -13,8 +13,8 @@ use crate::KernelError;
 use crate::cpu::Kernels;
 use crate::cpu::disjoint::{DisjointBytes, DisjointOut};
 use crate::ops::{
-    self, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_group, matmul, matmul_many,
-    quantize_activations,
+    self, ATTN_TILE, AttnMode, AttnScratch, QMatrix, activation_bytes, attention_group, matmul,
+    matmul_many, quantize_activations,
 };
 use crate::par::{ThreadPool, split_range};
 
@@ -399,7 +399,66 @@ impl LlamaModel {
                     _ => split_range(n * units, i, nt, 1),
                 };
                 let end = mine.end;
-                for unit in mine {
+                let mut unit = mine.start;
+                while unit < end {
+                    // A prompt's consecutive tokens in the free association: every head group
+                    // of a tile of them at once, each key and value row read once for the
+                    // tile (each token's bits are those it gets alone).
+                    if free && unit % units == 0 {
+                        let t = unit / units;
+                        let (ci, pos) = tok[t];
+                        let ch = &chunks[ci as usize];
+                        let tn = (1..ATTN_TILE)
+                            .take_while(|&j| {
+                                (t + j + 1) * units <= end
+                                    && tok.get(t + j) == Some(&(ci, pos + j as u32))
+                            })
+                            .count()
+                            + 1;
+                        if ch.mode == AttnMode::Prefill && tn > 1 {
+                            for hg in 0..units {
+                                let h = hg * per;
+                                let (keys, values) = kvc.heads(li, h / group, ch.block_table);
+                                let qs = |j: usize| {
+                                    let a = (t + j.min(tn - 1)) * qd + h * hd;
+                                    &q[a..a + per * hd]
+                                };
+                                let tile = ops::AttnTileJob {
+                                    q: std::array::from_fn(qs),
+                                    tokens: tn,
+                                    heads: per,
+                                    keys: &keys,
+                                    values: &values,
+                                    n0: pos as usize + 1,
+                                    scale,
+                                    softmax: k.softmax,
+                                };
+                                let mut outs: [&mut [f32]; ATTN_TILE] = std::array::from_fn(|j| {
+                                    if j < tn {
+                                        out.range((t + j) * qd + h * hd, per * hd)
+                                    } else {
+                                        &mut []
+                                    }
+                                });
+                                if ops::attention_tile_free(k, &tile, sc, &mut outs[..tn]) {
+                                    continue;
+                                }
+                                for (j, o) in outs.iter_mut().take(tn).enumerate() {
+                                    let n_pos = pos as usize + 1 + j;
+                                    if attention_group(
+                                        k, free, ch.mode, tile.q[j], per, &keys, &values, n_pos,
+                                        scale, None, sc, o,
+                                    )
+                                    .is_err()
+                                    {
+                                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                                    }
+                                }
+                            }
+                            unit += tn * units;
+                            continue;
+                        }
+                    }
                     // A decode token reads its sequence's rows once, from blocks scattered
                     // over memory: the kernel fetches the next unit's rows while this one
                     // computes (a prompt's tokens re-read rows that are already cached).
@@ -428,6 +487,7 @@ impl LlamaModel {
                     {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
+                    unit += 1;
                 }
             };
             pool.run(&job);

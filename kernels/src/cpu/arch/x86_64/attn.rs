@@ -37,7 +37,9 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::exact::{load_h16, load16, store16};
-use crate::cpu::attn::{AttnHeadJob, AttnMode, AttnScratch, MAX_ATTN_GROUP, PagedHead, Reg64};
+use crate::cpu::attn::{
+    ATTN_TILE, AttnHeadJob, AttnMode, AttnScratch, AttnTileJob, MAX_ATTN_GROUP, PagedHead, Reg64,
+};
 
 /// The safe entry installed in the AVX-512 table.
 pub(crate) fn attn_head_512(job: &AttnHeadJob<'_>, sc: &mut AttnScratch, out: &mut [f32]) -> bool {
@@ -651,5 +653,189 @@ fn pv_rows_any<const W: usize>(
 ) {
     for (w, out) in w.chunks_exact(n.max(1)).zip(out.chunks_exact_mut(vd)) {
         pv_rows::<W, 1>(w, n, values, offs, d0, vd, out);
+    }
+}
+
+/// The safe entry of the tile kernel installed in the AVX-512 table
+/// ([`crate::cpu::Kernels::attn_free_tile`]).
+pub(crate) fn attn_free_tile_512(
+    job: &AttnTileJob<'_>,
+    sc: &mut AttnScratch,
+    out: &mut [&mut [f32]],
+) -> bool {
+    // SAFETY: installed only into the table of a detected AVX-512 level (module docs).
+    unsafe { imp_attn_free_tile_512(job, sc, out) }
+}
+
+/// [`imp_attn_free_512`] of a tile of consecutive prompt tokens (64-element heads): each 16
+/// keys are converted to f32 once for the tile and each value chunk once per 16 output
+/// dimensions, and every (token, head) then does exactly what the one-token kernel does —
+/// the same fused multiply-adds from zero, the same [`reduce16`], the level's softmax over
+/// its own positions, and its weighted values one position after another from zero.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+fn imp_attn_free_tile_512(
+    job: &AttnTileJob<'_>,
+    sc: &mut AttnScratch,
+    out: &mut [&mut [f32]],
+) -> bool {
+    const HD: usize = 64;
+    let (keys, values, gn, tn, n0) = (job.keys, job.values, job.heads, job.tokens, job.n0);
+    if keys.head_dim != HD
+        || values.head_dim != HD
+        || !(1..=MAX_GROUP).contains(&gn)
+        || !(1..=ATTN_TILE).contains(&tn)
+        || n0 == 0
+        || out.len() < tn
+        || (0..tn).any(|j| job.q[j].len() != gn * HD || out[j].len() != gn * HD)
+    {
+        return false;
+    }
+    // Positions of the last token; virtual heads (token, head), token-major.
+    let (n, nv) = (n0 + tn - 1, tn * gn);
+    if sc.scores.len() < nv * n || sc.offs.len() < n || sc.keys32.len() < 16 * HD / 16 {
+        return false;
+    }
+    if !row_offsets(keys, &mut sc.offs[..n]) {
+        return false;
+    }
+    let (offs, scores) = (&sc.offs[..n], &mut sc.scores[..nv * n]);
+    // SAFETY: `Reg64` is 64 bytes aligned to 64, as `__m512` is, and every bit pattern is a
+    // valid `__m512`; the slice holds at least the 64 registers of the array (checked above).
+    let kf = unsafe { &mut *sc.keys32.as_mut_ptr().cast::<[[__m512; HD / 16]; 16]>() };
+    let mut p0 = 0;
+    while p0 < n {
+        let m = (n - p0).min(16);
+        for (i, &o) in offs[p0..p0 + m].iter().enumerate() {
+            let key = &keys.data[o..o + HD];
+            kf[i] = std::array::from_fn(|c| load_h16(&key[16 * c..]));
+        }
+        for j in 0..tn {
+            let nj = n0 + j;
+            if p0 >= nj {
+                continue;
+            }
+            let mj = (nj - p0).min(16);
+            for g in 0..gn {
+                let qv = &job.q[j][g * HD..(g + 1) * HD];
+                let q: [__m512; HD / 16] = std::array::from_fn(|c| load16(&qv[16 * c..]));
+                // `keys16::<4, true, _>`'s accumulators: one chain from zero over the chunks
+                // per key (keys past `mj` stay zero; their lanes are dropped below).
+                let mut acc = [_mm512_setzero_ps(); 16];
+                if mj == 16 {
+                    for (a, k) in acc.iter_mut().zip(kf.iter()) {
+                        *a = chain4(&q, k);
+                    }
+                } else {
+                    for (a, k) in acc.iter_mut().zip(kf.iter()).take(mj) {
+                        *a = chain4(&q, k);
+                    }
+                }
+                let s = reduce16(&acc);
+                let v = j * gn + g;
+                let dst = &mut scores[v * n + p0..v * n + p0 + mj];
+                if mj == 16 {
+                    store16(dst, s);
+                } else {
+                    let mut buf = [0.0f32; 16];
+                    store16(&mut buf, s);
+                    dst.copy_from_slice(&buf[..mj]);
+                }
+            }
+        }
+        p0 += m;
+    }
+    for v in 0..nv {
+        let nj = n0 + v / gn;
+        (job.softmax)(&mut scores[v * n..v * n + nj], job.scale);
+    }
+    let same_layout = std::ptr::eq(keys.block_table, values.block_table)
+        && keys.block_size == values.block_size
+        && keys.block_stride == values.block_stride
+        && keys.kv_head == values.kv_head
+        && keys.data.len() == values.data.len();
+    if !same_layout && !row_offsets(values, &mut sc.offs[..n]) {
+        return false;
+    }
+    let (offs, scores) = (&sc.offs[..n], &sc.scores[..nv * n]);
+    // Sets of up to 6 virtual heads (24 accumulators beside the 4 value registers).
+    let mut v0 = 0;
+    while v0 < nv {
+        let vs = (nv - v0).min(6);
+        let pv = match vs {
+            1 => pv_tile::<1>,
+            2 => pv_tile::<2>,
+            3 => pv_tile::<3>,
+            4 => pv_tile::<4>,
+            5 => pv_tile::<5>,
+            _ => pv_tile::<6>,
+        };
+        pv(scores, n, n0, gn, v0, values.data, offs, out);
+        v0 += vs;
+    }
+    true
+}
+
+/// `Σ q[c] · k[c]` as one chain of fused multiply-adds from zero, `c` in order.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn chain4(q: &[__m512; 4], k: &[__m512; 4]) -> __m512 {
+    let mut r = _mm512_setzero_ps();
+    for (q, k) in q.iter().zip(k) {
+        r = _mm512_fmadd_ps(*q, *k, r);
+    }
+    r
+}
+
+/// The weighted values of virtual heads `v0..v0 + NV` (token `v / gn`, head `v % gn`;
+/// weights `w[v * n..]`; 64 dimensions): [`pv_rows`]'s fused multiply-adds, one per position
+/// of the token's own `n0 + v / gn`, in order from zero; each value row converted once for
+/// the set.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+fn pv_tile<const NV: usize>(
+    w: &[f32],
+    n: usize,
+    n0: usize,
+    gn: usize,
+    v0: usize,
+    values: &[f16],
+    offs: &[usize],
+    out: &mut [&mut [f32]],
+) {
+    if w.len() < (v0 + NV) * n || offs.len() < n || gn == 0 || out.len() * gn < v0 + NV {
+        return;
+    }
+    let own: [usize; NV] = std::array::from_fn(|k| (n0 + (v0 + k) / gn).min(n));
+    let mut acc = [[_mm512_setzero_ps(); 4]; NV];
+    let row = |p: usize| -> [__m512; 4] {
+        let r = &values[offs[p]..offs[p] + 64];
+        std::array::from_fn(|c| load_h16(&r[16 * c..]))
+    };
+    // Positions every head of the set attends to, then the later tokens' own.
+    for p in 0..own[0] {
+        let vv = row(p);
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let wv = _mm512_set1_ps(w[(v0 + k) * n + p]);
+            for (a, v) in acc.iter_mut().zip(&vv) {
+                *a = _mm512_fmadd_ps(wv, *v, *a);
+            }
+        }
+    }
+    for p in own[0]..own[NV - 1] {
+        let vv = row(p);
+        for (k, acc) in acc.iter_mut().enumerate() {
+            if p < own[k] {
+                let wv = _mm512_set1_ps(w[(v0 + k) * n + p]);
+                for (a, v) in acc.iter_mut().zip(&vv) {
+                    *a = _mm512_fmadd_ps(wv, *v, *a);
+                }
+            }
+        }
+    }
+    for (k, acc) in acc.iter().enumerate() {
+        let (j, g) = ((v0 + k) / gn, (v0 + k) % gn);
+        for (c, a) in acc.iter().enumerate() {
+            store16(&mut out[j][g * 64 + 16 * c..], *a);
+        }
     }
 }

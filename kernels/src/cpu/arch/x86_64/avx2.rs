@@ -96,6 +96,7 @@ pub(crate) fn kernels() -> Kernels {
         rope_neox,
         attn_head: None,
         attn_free: None,
+        attn_free_tile: None,
         gemm: crate::cpu::gemm::Gemm::NONE,
         lanes: None,
     }

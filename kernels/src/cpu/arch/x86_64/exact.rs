@@ -57,6 +57,7 @@ pub(crate) fn patch_avx512(k: &mut Kernels) {
     k.rmsnorm_rows = rmsnorm_rows_avx2;
     k.attn_head = Some(super::attn::attn_head_512);
     k.attn_free = Some(super::attn::attn_free_512);
+    k.attn_free_tile = Some(super::attn::attn_free_tile_512);
 }
 
 /// ggml's `rms_norm` of each `w.len()`-long row of `x` into the same row of `out`, with
