@@ -172,7 +172,8 @@ pub fn softmax_generic(x: &mut [f32], scale: f32) {
 /// Installs the ggml-exact kernels into a level's table.
 pub(crate) fn patch(k: &mut Kernels) {
     k.attn = shapes(k.level);
-    // ggml's rms_norm is plain C at every level: squares summed in order in f64.
+    // ggml's rms_norm is plain C at every level: squares summed in order in f64 (the x86
+    // levels below put eight rows in the lanes of one f64 vector, the same additions).
     k.rmsnorm = super::reference::rmsnorm;
     k.rmsnorm_rows = super::reference::rmsnorm_rows;
     match k.level {
