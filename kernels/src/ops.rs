@@ -516,7 +516,8 @@ pub fn attention(
 /// [`attention_group`] in the free association for a tile of consecutive prompt tokens of
 /// one sequence (token `j` of `job.tokens` attends to `job.n0 + j` positions; `out[j]` gets
 /// its `heads × head_dim` outputs), each token's bits those [`attention_group`] gives it
-/// alone: `true` when the level's tile kernel ([`Kernels::attn_free_tile`]) covered it,
+/// alone (with the level's softmax, whatever `job` names): `true` when the level's tile
+/// kernel ([`Kernels::attn_free_tile`]) covered it,
 /// `false`, with nothing written, when the caller must attend token by token.
 pub fn attention_tile_free(
     k: &Kernels,
@@ -524,7 +525,8 @@ pub fn attention_tile_free(
     sc: &mut AttnScratch,
     out: &mut [&mut [f32]],
 ) -> bool {
-    k.attn_free_tile.is_some_and(|tile| tile(job, sc, out))
+    let job = AttnTileJob { softmax: k.softmax, ..*job };
+    k.attn_free.is_some() && k.attn_free_tile.is_some_and(|tile| tile(&job, sc, out))
 }
 
 /// [`attention`] of `heads` query heads that share one KV head (`q`: `heads × head_dim`,

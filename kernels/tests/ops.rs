@@ -635,12 +635,11 @@ fn group(
     out
 }
 
-/// The free association ([`ops::attention_group`] with `free`, the non-exact arithmetics): the
-/// level's fused kernel gives every head of a group the bits of [`ops::attention_free_twin`]
-/// for that head alone, in both modes (one association for prompts and decode), over head
-/// sizes the kernel covers and does not, block sizes that do and do not divide 16, lengths
-/// around multiples of 16, with the next unit's rows named; and the twin itself is nearer the
-/// exact f64 attention than ggml's association is allowed to be (no f16 roundings).
+/// Tiles of a prompt's consecutive tokens ([`ops::attention_tile_free`]): every token of a
+/// tile of 1 to [`ops::ATTN_TILE`] tokens gets the bits the free kernel gives it alone, for 1
+/// to 4 heads, block sizes that do and do not divide 16, first tokens on both sides of the
+/// 16-key chunks, scratch reused from call to call, and values laid out as the keys are or
+/// not (another KV head's rows); head sizes the tile kernel does not take write nothing.
 #[test]
 fn free_attention_tiles_give_each_token_its_own_bits() {
     let mut rng = rng(71);
@@ -653,8 +652,9 @@ fn free_attention_tiles_give_each_token_its_own_bits() {
                     let c = make_cache(&mut rng, n0 + ops::ATTN_TILE, block_size, 2, hd);
                     let mut sc = AttnScratch::new(hd, 300);
                     let mut sc2 = AttnScratch::new(hd, 300);
-                    let (keys, values) = c.heads(block_size, 2, hd, 1);
-                    for heads in 1..=4 {
+                    let (keys, same) = c.heads(block_size, 2, hd, 1);
+                    let (_, apart) = c.heads(block_size, 2, hd, 0);
+                    for (heads, values) in (1..=4).flat_map(|h| [(h, same), (h, apart)]) {
                         for tokens in 1..=ops::ATTN_TILE {
                             let qs: Vec<Vec<f32>> = (0..ops::ATTN_TILE)
                                 .map(|j| {
@@ -720,6 +720,12 @@ fn free_attention_tiles_give_each_token_its_own_bits() {
     }
 }
 
+/// The free association ([`ops::attention_group`] with `free`, the non-exact arithmetics): the
+/// level's fused kernel gives every head of a group the bits of [`ops::attention_free_twin`]
+/// for that head alone, in both modes (one association for prompts and decode), over head
+/// sizes the kernel covers and does not, block sizes that do and do not divide 16, lengths
+/// around multiples of 16, with the next unit's rows named; and the twin itself is nearer the
+/// exact f64 attention than ggml's association is allowed to be (no f16 roundings).
 #[test]
 fn free_attention_is_bit_identical_to_its_twin_and_near_the_exact_math() {
     let mut rng = rng(67);

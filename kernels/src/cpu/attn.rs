@@ -159,9 +159,13 @@ pub type AttnHeadFn = fn(&AttnHeadJob<'_>, &mut AttnScratch, &mut [f32]) -> bool
 /// Consecutive prompt tokens whose attention [`AttnTileFn`] computes together, at most.
 pub const ATTN_TILE: usize = 4;
 
+/// The head size (elements) the tile kernels take.
+pub(crate) const TILE_HEAD: usize = 64;
+
 /// The operands of a tile of consecutive prompt tokens of one sequence, each with the same
 /// query heads of one KV head, in the free association: token `j` attends to `n0 + j`
-/// positions. The kernel reads each key and value row once for the tile.
+/// positions. The kernel converts each key row once for the tile, each value row once per
+/// set of (token, head) pairs.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnTileJob<'a> {
     /// Each token's query heads (`heads × head_dim` f32); the first `tokens` are used.
@@ -178,7 +182,7 @@ pub struct AttnTileJob<'a> {
     pub n0: usize,
     /// Score scale (`1/sqrt(head_dim)`).
     pub scale: f32,
-    /// The level's softmax.
+    /// The level's softmax ([`crate::ops::attention_tile_free`] sets it).
     pub softmax: fn(&mut [f32], f32),
 }
 
@@ -189,7 +193,8 @@ pub struct AttnTileJob<'a> {
 pub type AttnTileFn = fn(&AttnTileJob<'_>, &mut AttnScratch, &mut [&mut [f32]]) -> bool;
 
 impl AttnScratch {
-    /// Buffers for heads of `head_dim` over up to `max_ctx` positions.
+    /// Buffers for heads of `head_dim` over up to `max_ctx` positions (the scores of a tile's
+    /// [`ATTN_TILE`] tokens of [`MAX_ATTN_GROUP`] heads each: 64 KiB per 1,024 positions).
     pub fn new(head_dim: usize, max_ctx: usize) -> Self {
         AttnScratch {
             q16: vec![f16::ZERO; head_dim],
@@ -199,7 +204,7 @@ impl AttnScratch {
             wide: vec![0.0; head_dim],
             offs: vec![0; max_ctx.max(1)],
             regs: vec![Reg64::default(); REG_SCRATCH],
-            keys32: vec![Reg64::default(); 16 * MAX_FUSED_HEAD / 16],
+            keys32: vec![Reg64::default(); 16 * (TILE_HEAD / 16)],
         }
     }
 }

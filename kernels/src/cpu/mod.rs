@@ -174,9 +174,9 @@ pub struct Kernels {
     /// with the bits of [`crate::ops::attention_free_twin`]; `None` where the level has no
     /// such kernel (the free arithmetics then attend in ggml's association).
     pub attn_free: Option<attn::AttnHeadFn>,
-    /// [`Kernels::attn_free`] of a tile of consecutive prompt tokens, each key and value row
-    /// read once for the tile, each token's bits those `attn_free` gives it; `None` where the
-    /// level has no such kernel.
+    /// [`Kernels::attn_free`] of a tile of consecutive prompt tokens, each key row converted
+    /// once for the tile, each token's bits those `attn_free` gives it; `None` where the level
+    /// has no such kernel.
     pub attn_free_tile: Option<attn::AttnTileFn>,
     /// Matrix products over tiles of rows × tokens, bit-identical to the dot products above
     /// (used by [`crate::ops::matmul`]; types without an entry use the dot products).

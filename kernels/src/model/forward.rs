@@ -402,8 +402,8 @@ impl LlamaModel {
                 let mut unit = mine.start;
                 while unit < end {
                     // A prompt's consecutive tokens in the free association: every head group
-                    // of a tile of them at once, each key and value row read once for the
-                    // tile (each token's bits are those it gets alone).
+                    // of a tile of them at once, each key row converted once for the tile
+                    // (each token's bits are those it gets alone).
                     if free && unit % units == 0 {
                         let t = unit / units;
                         let (ci, pos) = tok[t];

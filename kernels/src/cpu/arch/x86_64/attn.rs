@@ -5,7 +5,7 @@
 //! goes through memory) and `axpy_f16` once per value row into per-class partial sums in
 //! memory. Here:
 //!
-//! * **Scores**, 16 keys at a time: the query (rounded to f16) sits in registers, each key
+//! * **Scores**, 16 keys at a time: the query (rounded to f16) is loaded once, each key
 //!   gets the fused multiply-adds of the level's dot product (one 16-lane accumulator for
 //!   tinyBLAS's shape, four for `vec_dot_f16`'s), and the 16 accumulators are reduced
 //!   together by shuffles that add exactly the pairs `_mm512_reduce_add_ps` adds
@@ -27,8 +27,14 @@
 //! with every accumulator in registers — the value rows are read once, in order, instead
 //! of once per class and 16 dimensions.
 //!
+//! [`attn_free_tile_512`] is [`attn_free_512`] for up to [`ATTN_TILE`] consecutive prompt
+//! tokens of one sequence (64-element heads): each 16 keys are converted to f32 once for the
+//! tile, and each value row once per set of up to six (token, head) pairs; every token keeps
+//! the bits the one-token kernel gives it.
+//!
 //! # Safety
-//! [`imp_attn_head_512`] and [`imp_attn_free_512`] require AVX-512 F/BW/DQ/VL; they are
+//! [`imp_attn_head_512`], [`imp_attn_free_512`] and [`imp_attn_free_tile_512`] require
+//! AVX-512 F/BW/DQ/VL; they are
 //! reachable only through the safe wrappers installed by [`super::exact::patch_avx512`]
 //! into a table whose level was detected on this CPU. Every load reads from a slice whose length was checked.
 
@@ -39,6 +45,7 @@ use half::f16;
 use super::exact::{load_h16, load16, store16};
 use crate::cpu::attn::{
     ATTN_TILE, AttnHeadJob, AttnMode, AttnScratch, AttnTileJob, MAX_ATTN_GROUP, PagedHead, Reg64,
+    TILE_HEAD,
 };
 
 /// The safe entry installed in the AVX-512 table.
@@ -305,26 +312,38 @@ fn queries(job: &AttnHeadJob<'_>, round: bool, qa: &mut [[__m512; MAX_HEAD / 16]
     }
 }
 
+/// A group's 16-key score accumulators.
+type ScoreRegs = [[__m512; 16]; MAX_GROUP];
+/// A group's query chunks.
+type QueryRegs = [[__m512; MAX_HEAD / 16]; MAX_GROUP];
+/// A tile's 16 keys in f32.
+type KeyRegs = [[__m512; TILE_HEAD / 16]; 16];
+
 /// The register scratch of `regs` as the score accumulators and the queries.
-#[allow(clippy::type_complexity)]
-fn reg_views(
-    regs: &mut [Reg64],
-) -> Option<(&mut [[__m512; 16]; MAX_GROUP], &mut [[__m512; MAX_HEAD / 16]; MAX_GROUP])> {
+fn reg_views(regs: &mut [Reg64]) -> Option<(&mut ScoreRegs, &mut QueryRegs)> {
     const ACC: usize = 16 * MAX_GROUP;
     const QA: usize = MAX_HEAD / 16 * MAX_GROUP;
     let regs = regs.get_mut(..ACC + QA)?;
     let (acc, qa) = regs.split_at_mut(ACC);
     // SAFETY: `Reg64` is 64 bytes aligned to 64, as `__m512` is, and every bit pattern is a
     // valid `__m512`; `acc` holds exactly `16 · MAX_GROUP` of them, the array's size.
-    let acc = unsafe { &mut *acc.as_mut_ptr().cast::<[[__m512; 16]; MAX_GROUP]>() };
+    let acc = unsafe { &mut *acc.as_mut_ptr().cast::<ScoreRegs>() };
     // SAFETY: as above; `qa` holds exactly `MAX_HEAD / 16 · MAX_GROUP`, and does not overlap
     // `acc`.
-    let qa = unsafe { &mut *qa.as_mut_ptr().cast::<[[__m512; MAX_HEAD / 16]; MAX_GROUP]>() };
+    let qa = unsafe { &mut *qa.as_mut_ptr().cast::<QueryRegs>() };
     Some((acc, qa))
 }
 
-/// The scores of a job's `heads` queries (`qa`, already in registers) against its keys,
-/// 16 keys at a time, each key loaded once for the group: tinyBLAS's one accumulator
+/// The key scratch of `regs` as a tile's 16 keys in f32.
+fn key_view(regs: &mut [Reg64]) -> Option<&mut KeyRegs> {
+    let regs = regs.get_mut(..16 * (TILE_HEAD / 16))?;
+    // SAFETY: `Reg64` is 64 bytes aligned to 64, as `__m512` is, and every bit pattern is a
+    // valid `__m512`; `regs` holds exactly the array's registers.
+    Some(unsafe { &mut *regs.as_mut_ptr().cast::<KeyRegs>() })
+}
+
+/// The scores of a job's `heads` queries (loaded into the scratch first, rounded to f16 when
+/// `round`) against its keys, 16 keys at a time, each key loaded once for the group: tinyBLAS's one accumulator
 /// (`gemm`) or `vec_dot_f16`'s four and its `+ 0.0`, into `sc.scores` (head after head);
 /// then `sc.offs` holds where each position's value row starts. A decode token fetches its
 /// next 16 keys into L1 and each chunk's values into L2 as it goes, and the caller's next
@@ -668,8 +687,8 @@ pub(crate) fn attn_free_tile_512(
 }
 
 /// [`imp_attn_free_512`] of a tile of consecutive prompt tokens (64-element heads): each 16
-/// keys are converted to f32 once for the tile and each value chunk once per 16 output
-/// dimensions, and every (token, head) then does exactly what the one-token kernel does —
+/// keys are converted to f32 once for the tile and each value row once per set of up to six
+/// (token, head) pairs, and every (token, head) then does exactly what the one-token kernel does —
 /// the same fused multiply-adds from zero, the same [`reduce16`], the level's softmax over
 /// its own positions, and its weighted values one position after another from zero.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
@@ -678,7 +697,7 @@ fn imp_attn_free_tile_512(
     sc: &mut AttnScratch,
     out: &mut [&mut [f32]],
 ) -> bool {
-    const HD: usize = 64;
+    const HD: usize = TILE_HEAD;
     let (keys, values, gn, tn, n0) = (job.keys, job.values, job.heads, job.tokens, job.n0);
     if keys.head_dim != HD
         || values.head_dim != HD
@@ -692,16 +711,14 @@ fn imp_attn_free_tile_512(
     }
     // Positions of the last token; virtual heads (token, head), token-major.
     let (n, nv) = (n0 + tn - 1, tn * gn);
-    if sc.scores.len() < nv * n || sc.offs.len() < n || sc.keys32.len() < 16 * HD / 16 {
+    if sc.scores.len() < nv * n || sc.offs.len() < n {
         return false;
     }
     if !row_offsets(keys, &mut sc.offs[..n]) {
         return false;
     }
+    let Some(kf) = key_view(&mut sc.keys32) else { return false };
     let (offs, scores) = (&sc.offs[..n], &mut sc.scores[..nv * n]);
-    // SAFETY: `Reg64` is 64 bytes aligned to 64, as `__m512` is, and every bit pattern is a
-    // valid `__m512`; the slice holds at least the 64 registers of the array (checked above).
-    let kf = unsafe { &mut *sc.keys32.as_mut_ptr().cast::<[[__m512; HD / 16]; 16]>() };
     let mut p0 = 0;
     while p0 < n {
         let m = (n - p0).min(16);
@@ -769,7 +786,9 @@ fn imp_attn_free_tile_512(
             5 => pv_tile::<5>,
             _ => pv_tile::<6>,
         };
-        pv(scores, n, n0, gn, v0, values.data, offs, out);
+        if !pv(scores, n, n0, gn, v0, values.data, offs, out) {
+            return false;
+        }
         v0 += vs;
     }
     true
@@ -789,7 +808,7 @@ fn chain4(q: &[__m512; 4], k: &[__m512; 4]) -> __m512 {
 /// The weighted values of virtual heads `v0..v0 + NV` (token `v / gn`, head `v % gn`;
 /// weights `w[v * n..]`; 64 dimensions): [`pv_rows`]'s fused multiply-adds, one per position
 /// of the token's own `n0 + v / gn`, in order from zero; each value row converted once for
-/// the set.
+/// the set. `false`, having written nothing, if the operands do not have the set's sizes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
 #[allow(clippy::too_many_arguments)]
 fn pv_tile<const NV: usize>(
@@ -801,14 +820,15 @@ fn pv_tile<const NV: usize>(
     values: &[f16],
     offs: &[usize],
     out: &mut [&mut [f32]],
-) {
-    if w.len() < (v0 + NV) * n || offs.len() < n || gn == 0 || out.len() * gn < v0 + NV {
-        return;
+) -> bool {
+    let fits = |k: usize| out.get((v0 + k) / gn).is_some_and(|o| o.len() >= gn * TILE_HEAD);
+    if w.len() < (v0 + NV) * n || offs.len() < n || gn == 0 || !(0..NV).all(fits) || n0 > n {
+        return false;
     }
     let own: [usize; NV] = std::array::from_fn(|k| (n0 + (v0 + k) / gn).min(n));
-    let mut acc = [[_mm512_setzero_ps(); 4]; NV];
-    let row = |p: usize| -> [__m512; 4] {
-        let r = &values[offs[p]..offs[p] + 64];
+    let mut acc = [[_mm512_setzero_ps(); TILE_HEAD / 16]; NV];
+    let row = |p: usize| -> [__m512; TILE_HEAD / 16] {
+        let r = &values[offs[p]..offs[p] + TILE_HEAD];
         std::array::from_fn(|c| load_h16(&r[16 * c..]))
     };
     // Positions every head of the set attends to, then the later tokens' own.
@@ -835,7 +855,8 @@ fn pv_tile<const NV: usize>(
     for (k, acc) in acc.iter().enumerate() {
         let (j, g) = ((v0 + k) / gn, (v0 + k) % gn);
         for (c, a) in acc.iter().enumerate() {
-            store16(&mut out[j][g * 64 + 16 * c..], *a);
+            store16(&mut out[j][g * TILE_HEAD + 16 * c..], *a);
         }
     }
+    true
 }

@@ -501,8 +501,8 @@ fn reduce_add_zmm(v: __m512) -> f32 {
 fn imp_softmax_512(x: &mut [f32], scale: f32) {
     let n = x.len();
     let main = n - n % 16;
-    // The partial last register: its lanes past the row are masked off in every pass (a
-    // masked lane's maximum candidate is -inf, its exponential exactly zero).
+    // The partial last register: its lanes past the row are masked off in every pass (left
+    // out of the maximum, their exponentials set to exactly zero).
     let tail = (n - main) as u32;
     let mask: __mmask16 = ((1u32 << tail) - 1) as u16;
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
