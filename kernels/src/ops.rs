@@ -517,8 +517,8 @@ pub fn attention(
 /// one sequence (token `j` of `job.tokens` attends to `job.n0 + j` positions; `out[j]` gets
 /// its `heads × head_dim` outputs), each token's bits those [`attention_group`] gives it
 /// alone (with the level's softmax, whatever `job` names): `true` when the level's tile
-/// kernel ([`Kernels::attn_free_tile`]) covered it,
-/// `false`, with nothing written, when the caller must attend token by token.
+/// kernel ([`Kernels::attn_free_tile`]) covered it, `false` when the caller must attend
+/// token by token (overwriting whatever the kernel may have left in `out`).
 pub fn attention_tile_free(
     k: &Kernels,
     job: &AttnTileJob<'_>,

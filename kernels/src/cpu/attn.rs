@@ -188,8 +188,8 @@ pub struct AttnTileJob<'a> {
 
 /// A level's free-association attention of a tile of prompt tokens (`out[j]`: token `j`'s
 /// `heads × head_dim` outputs): each token's outputs have the bits [`AttnHeadFn`] (the level's
-/// `attn_free`) gives it alone. Returns `false`, having written nothing, when it does not
-/// cover the operands' shapes (the caller then attends token by token).
+/// `attn_free`) gives it alone. Returns `false` when it does not cover the operands' shapes
+/// (the caller then attends token by token, overwriting `out`).
 pub type AttnTileFn = fn(&AttnTileJob<'_>, &mut AttnScratch, &mut [&mut [f32]]) -> bool;
 
 impl AttnScratch {
