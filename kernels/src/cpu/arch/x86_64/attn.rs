@@ -237,6 +237,31 @@ fn pv_classes<const W: usize, const G: usize>(
     }
 }
 
+/// Whether a value row starts where the key row of the same position does (the same
+/// blocks, block geometry, KV head and cache size): the key offsets serve the values too.
+fn rows_share_offsets(keys: &PagedHead<'_>, values: &PagedHead<'_>) -> bool {
+    keys.head_dim == values.head_dim
+        && std::ptr::eq(keys.block_table, values.block_table)
+        && keys.block_size == values.block_size
+        && keys.block_stride == values.block_stride
+        && keys.kv_head == values.kv_head
+        && keys.data.len() == values.data.len()
+}
+
+/// The first `dst.len()` (at most 16) lanes of `v` into `dst`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn store_first(dst: &mut [f32], v: __m512) {
+    if dst.len() == 16 {
+        store16(dst, v);
+    } else {
+        let mut buf = [0.0f32; 16];
+        store16(&mut buf, v);
+        let m = dst.len().min(16);
+        dst[..m].copy_from_slice(&buf[..m]);
+    }
+}
+
 /// Asks for the cache lines of the rows of `len` halves at `offs` in `data` (rows outside
 /// `data` are skipped). Rows that follow one another (a block's, the usual case) are asked
 /// for as one run: a prefetch a line and a pointer step, nothing per row.
@@ -343,8 +368,9 @@ fn key_view(regs: &mut [Reg64]) -> Option<&mut KeyRegs> {
 }
 
 /// The scores of a job's `heads` queries (loaded into the scratch first, rounded to f16 when
-/// `round`) against its keys, 16 keys at a time, each key loaded once for the group: tinyBLAS's one accumulator
-/// (`gemm`) or `vec_dot_f16`'s four and its `+ 0.0`, into `sc.scores` (head after head);
+/// `round`) against its keys, 16 keys at a time, each key loaded once for the group:
+/// tinyBLAS's one accumulator (`gemm`) or `vec_dot_f16`'s four and its `+ 0.0`, into
+/// `sc.scores` (head after head);
 /// then `sc.offs` holds where each position's value row starts. A decode token fetches its
 /// next 16 keys into L1 and each chunk's values into L2 as it goes, and the caller's next
 /// unit a share per chunk. `false` when a row lies outside the cache.
@@ -365,12 +391,7 @@ fn scores_and_value_rows(
     if !row_offsets(keys, offs) {
         return false;
     }
-    let same_layout = vd == hd
-        && std::ptr::eq(keys.block_table, values.block_table)
-        && keys.block_size == values.block_size
-        && keys.block_stride == values.block_stride
-        && keys.kv_head == values.kv_head
-        && keys.data.len() == values.data.len();
+    let same_layout = rows_share_offsets(keys, values);
     let decode = job.mode == AttnMode::Decode;
     let scores = &mut sc.scores[..gn * n];
     let mut p0 = 0;
@@ -416,13 +437,7 @@ fn scores_and_value_rows(
                 s = _mm512_add_ps(s, _mm512_setzero_ps());
             }
             let dst = &mut scores[g * n + p0..g * n + p0 + m];
-            if m == 16 {
-                store16(dst, s);
-            } else {
-                let mut buf = [0.0f32; 16];
-                store16(&mut buf, s);
-                dst.copy_from_slice(&buf[..m]);
-            }
+            store_first(dst, s);
         }
         p0 += m;
     }
@@ -750,13 +765,7 @@ fn imp_attn_free_tile_512(
                 let s = reduce16(&acc);
                 let v = j * gn + g;
                 let dst = &mut scores[v * n + p0..v * n + p0 + mj];
-                if mj == 16 {
-                    store16(dst, s);
-                } else {
-                    let mut buf = [0.0f32; 16];
-                    store16(&mut buf, s);
-                    dst.copy_from_slice(&buf[..mj]);
-                }
+                store_first(dst, s);
             }
         }
         p0 += m;
@@ -765,11 +774,7 @@ fn imp_attn_free_tile_512(
         let nj = n0 + v / gn;
         (job.softmax)(&mut scores[v * n..v * n + nj], job.scale);
     }
-    let same_layout = std::ptr::eq(keys.block_table, values.block_table)
-        && keys.block_size == values.block_size
-        && keys.block_stride == values.block_stride
-        && keys.kv_head == values.kv_head
-        && keys.data.len() == values.data.len();
+    let same_layout = rows_share_offsets(keys, values);
     if !same_layout && !row_offsets(values, &mut sc.offs[..n]) {
         return false;
     }
@@ -792,6 +797,14 @@ fn imp_attn_free_tile_512(
         v0 += vs;
     }
     true
+}
+
+/// A 64-element value row in f32 (written as a function: as closures in [`pv_tile`], LLVM
+/// left this and its neighbour out of line, a call per row).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq,avx512bw,avx512vl")]
+#[inline]
+fn value_row(r: &[f16]) -> [__m512; TILE_HEAD / 16] {
+    std::array::from_fn(|c| load_h16(&r[16 * c..]))
 }
 
 /// `Σ q[c] · k[c]` as one chain of fused multiply-adds from zero, `c` in order.
@@ -821,19 +834,17 @@ fn pv_tile<const NV: usize>(
     offs: &[usize],
     out: &mut [&mut [f32]],
 ) -> bool {
-    let fits = |k: usize| out.get((v0 + k) / gn).is_some_and(|o| o.len() >= gn * TILE_HEAD);
-    if w.len() < (v0 + NV) * n || offs.len() < n || gn == 0 || !(0..NV).all(fits) || n0 > n {
+    let last = (v0 + NV).div_ceil(gn.max(1));
+    let fits =
+        out.len() >= last && out[v0 / gn.max(1)..last].iter().all(|o| o.len() >= gn * TILE_HEAD);
+    if w.len() < (v0 + NV) * n || offs.len() < n || gn == 0 || !fits || n0 > n {
         return false;
     }
     let own: [usize; NV] = std::array::from_fn(|k| (n0 + (v0 + k) / gn).min(n));
     let mut acc = [[_mm512_setzero_ps(); TILE_HEAD / 16]; NV];
-    let row = |p: usize| -> [__m512; TILE_HEAD / 16] {
-        let r = &values[offs[p]..offs[p] + TILE_HEAD];
-        std::array::from_fn(|c| load_h16(&r[16 * c..]))
-    };
     // Positions every head of the set attends to, then the later tokens' own.
     for p in 0..own[0] {
-        let vv = row(p);
+        let vv = value_row(&values[offs[p]..offs[p] + TILE_HEAD]);
         for (k, acc) in acc.iter_mut().enumerate() {
             let wv = _mm512_set1_ps(w[(v0 + k) * n + p]);
             for (a, v) in acc.iter_mut().zip(&vv) {
@@ -842,7 +853,7 @@ fn pv_tile<const NV: usize>(
         }
     }
     for p in own[0]..own[NV - 1] {
-        let vv = row(p);
+        let vv = value_row(&values[offs[p]..offs[p] + TILE_HEAD]);
         for (k, acc) in acc.iter_mut().enumerate() {
             if p < own[k] {
                 let wv = _mm512_set1_ps(w[(v0 + k) * n + p]);
