@@ -221,8 +221,9 @@ fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact()
     let mut e = kernels(&exact_m, 8);
     assert_ne!(rows(&mut e, &p, &[n]), whole);
 
-    // Against the reference: a smaller divergence than exact's, by a margin (0.75× here at the
-    // AVX-512 level; 0.77× on the 7,395 tokens of kernels/PERF.md's table).
+    // Against the reference: a smaller divergence than exact's, by a margin (0.85× here at the
+    // AVX-512 level; 0.88× on the 7,395 tokens of kernels/PERF.md's table, where splitting
+    // every layer's K/V products gave 0.77× and no split at all, `fast`, 0.99×).
     let mut r = reference(&exact_m, 8);
     let text = TEXT.repeat(2);
     let mut base = Vec::new();

@@ -146,7 +146,7 @@ pub struct Register {
     #[serde(default)]
     pub kv_peer: Option<KvPeer>,
     /// The arithmetic its model engines compute in and the kernel level computing it
-    /// (`split-kv/avx512/free-attention`, `exact/avx2`, ...; empty for mock engines): one
+    /// (`split-kv-half/avx512/free-attention`, `exact/avx2`, ...; empty for mock engines): one
     /// fleet computes in one, or its KV blocks and tokens would differ by worker.
     #[serde(default)]
     pub arith: String,

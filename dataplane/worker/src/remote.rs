@@ -84,7 +84,7 @@ pub struct RemoteConfig {
     /// The served model's name, as the frontend knows it.
     pub model: String,
     /// The arithmetic the model engines compute in and their kernel level
-    /// (`split-kv/avx512/free-attention`; empty for mock engines).
+    /// (`split-kv-half/avx512/free-attention`; empty for mock engines).
     pub arith: String,
     /// Tokens per KV block.
     pub block_size: usize,

@@ -300,7 +300,7 @@ impl LlamaModel {
             if wk.act_ty() == wq.act_ty() && wv.act_ty() == wq.act_ty() {
                 let ws = [&wq, &wk, &wv];
                 let outs = [&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]];
-                if self.split_kv {
+                if self.splits_kv(li) {
                     let x = &s.xn[..n * d];
                     split_kv(k, pool, ws, x, &act[..len], &mut s.split, n, outs)?;
                 } else {

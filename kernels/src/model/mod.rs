@@ -33,14 +33,15 @@ pub enum Arith {
     /// ([`crate::ops::attention_group`]) where it has a kernel for it; otherwise as
     /// `Exact`.
     Fast = 1,
-    /// As `Fast`, with the K and V products' input quantized in two parts
-    /// ([`LlamaModel::split_kv`]): those products (6 % of a layer's multiply-adds) cost
-    /// twice, and the quantization of their input — most of what the Q/K/V products' input
-    /// adds to `Exact`'s distance to `Reference` — nearly leaves it. (Splitting the Q
-    /// product's input too, as this arithmetic once did, cost a further 9 % of a layer's
-    /// multiply-adds, 16 % in all, for 6 more points of `Exact`'s distance, 29 % against
-    /// 23 %: kernels/PERF.md. [`Arith::label`], which the KV fingerprint takes in too, tells
-    /// the two apart, since every layer past the first caches other rows.)
+    /// As `Fast`, with the K and V products' input quantized in two parts in the first half
+    /// of the layers ([`LlamaModel::splits_kv`]): those products (6 % of a layer's
+    /// multiply-adds) cost twice there, and the quantization of their input — most of what
+    /// the Q/K/V products' input adds to `Exact`'s distance to `Reference` — nearly leaves
+    /// it. This arithmetic once split the Q/K/V products of every layer (16 % more
+    /// multiply-adds; 29 % nearer the reference than `Exact`), then the K/V products of
+    /// every layer (6 %; 23 % nearer); half the layers (3 %) keep it nearer than `Exact`:
+    /// kernels/PERF.md. [`Arith::label`], which the KV fingerprint takes in too, tells the
+    /// three apart, since the layers past the first cache other rows in each.
     Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
@@ -49,12 +50,13 @@ pub enum Arith {
 
 impl Arith {
     /// The name in labels that tell engines' bits apart across builds (the fleet's arithmetic
-    /// label, the model label of discovery and profiles): [`Arith::name`], but `split-kv` for
-    /// `Split`, whose split moved from the Q/K/V products to the K/V ones (an engine of an
-    /// earlier build computes other rows under the same name).
+    /// label, the model label of discovery and profiles): [`Arith::name`], but
+    /// `split-kv-half` for `Split`, whose split moved from every layer's Q/K/V products
+    /// (`split`) to every layer's K/V ones (`split-kv`) and then to the first half of the
+    /// layers' (an engine of an earlier build computes other rows under the same name).
     pub fn label(self) -> &'static str {
         match self {
-            Arith::Split => "split-kv",
+            Arith::Split => "split-kv-half",
             other => other.name(),
         }
     }
@@ -87,7 +89,7 @@ impl Arith {
         }
     }
 
-    /// Whether the K and V products take their input in two parts ([`LlamaModel::split_kv`]).
+    /// Whether K and V products take their input in two parts ([`LlamaModel::split_kv`]).
     pub fn split_kv(self) -> bool {
         self == Arith::Split
     }
@@ -134,13 +136,14 @@ mod tests {
     }
 
     #[test]
-    fn labels_are_distinct_and_tell_the_k_v_split_from_the_earlier_one() {
+    fn labels_are_distinct_and_tell_the_split_from_the_earlier_ones() {
         let labels = Arith::ALL.map(Arith::label);
         for (i, l) in labels.iter().enumerate() {
             assert!(!labels[..i].contains(l), "{l}");
         }
-        // An earlier build labelled its Q/K/V split `split`: that label must not match.
-        assert_eq!(Arith::Split.label(), "split-kv");
-        assert!(Arith::ALL.iter().all(|a| a.label() != "split"));
+        // Earlier builds labelled their Q/K/V split `split` and their every-layer K/V split
+        // `split-kv`: neither label may match.
+        assert_eq!(Arith::Split.label(), "split-kv-half");
+        assert!(Arith::ALL.iter().all(|a| a.label() != "split" && a.label() != "split-kv"));
     }
 }

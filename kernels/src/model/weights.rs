@@ -93,7 +93,8 @@ pub struct LlamaModel {
     /// The output head's fast screen for greedy rows ([`crate::greedy`]), once
     /// [`LlamaModel::repack`] gave the head an exact row-lane copy.
     head_screen: Option<HeadScreen>,
-    /// Whether the K and V products take their input in two quantized parts (the input, then
+    /// Whether the K and V products of the first half of the layers
+    /// ([`LlamaModel::splits_kv`]) take their input in two quantized parts (the input, then
     /// what its quantization left out), nearly the f32 input's product at twice those
     /// products' cost (the Q product takes the input's quantization alone): set by
     /// [`Arith::Split`](super::Arith::Split) before any [`Scratch`](super::Scratch) is made
@@ -242,6 +243,16 @@ impl LlamaModel {
     /// The model file.
     pub fn file(&self) -> &Arc<GgufFile> {
         &self.file
+    }
+
+    /// Whether layer `layer`'s K and V products take their input in two parts: with
+    /// [`Self::split_kv`], the first half of the layers (rounded up). Half the layers buy
+    /// ~45 % of what splitting every layer's input buys against [`Arith::Exact`]'s distance
+    /// to the reference, wherever the half lies (first, second, even or odd layers), for
+    /// half the doubled products: enough to stay nearer the reference than `Exact`
+    /// (kernels/PERF.md, "`split` now splits the first half of the layers").
+    pub fn splits_kv(&self, layer: usize) -> bool {
+        self.split_kv && layer < self.layers.len().div_ceil(2)
     }
 
     /// Bytes of weights (all tensors).
