@@ -599,7 +599,8 @@ impl Prepared {
     }
 
     /// The arithmetic and kernel level the engines compute in, as a worker registers it with
-    /// its frontend (`split-kv-half/avx512`, `split-kv-half/avx512/free-attention`; empty for mock engines):
+    /// its frontend (`split-kv-half/avx512`, `split-kv-half/avx512/free-attention`; empty for
+    /// mock engines):
     /// `split` without row-lane kernels computes otherwise than with them, and with the free
     /// attention kernel otherwise than an earlier build without it (the KV blocks a prefill
     /// worker lends must be the decode worker's bits).

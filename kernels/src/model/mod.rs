@@ -41,7 +41,9 @@ pub enum Arith {
     /// multiply-adds; 29 % nearer the reference than `Exact`), then the K/V products of
     /// every layer (6 %; 23 % nearer); half the layers (3 %) keep it nearer than `Exact`:
     /// kernels/PERF.md. [`Arith::label`], which the KV fingerprint takes in too, tells the
-    /// three apart, since the layers past the first cache other rows in each.
+    /// three apart: the Q/K/V split cached other rows than the K/V one in every layer past
+    /// the first, and the first-half split caches other rows than the every-layer one from
+    /// the middle layer on.
     Split = 3,
     /// The model's own math on its quantized weights ([`LlamaModel::forward_reference`]):
     /// the base the others are measured against; slow.
@@ -89,7 +91,8 @@ impl Arith {
         }
     }
 
-    /// Whether K and V products take their input in two parts ([`LlamaModel::split_kv`]).
+    /// Whether the K and V products of the first half of the layers take their input in two
+    /// parts ([`LlamaModel::split_kv`], [`LlamaModel::splits_kv`]).
     pub fn split_kv(self) -> bool {
         self == Arith::Split
     }

@@ -56,8 +56,8 @@ pub(crate) struct EngineOpts {
     pub(crate) no_prefix_caching: bool,
     /// The arithmetic: `auto` (the fastest one no farther from the model's own math than
     /// `exact`, on this CPU and model: `split` where the CPU's `fast` products pay for its
-    /// doubled K/V products in half the layers, else `exact`; kernels/PERF.md), `exact` (ggml's association:
-    /// llama.cpp's logits bit for bit), `fast`
+    /// doubled K/V products in half the layers, else `exact`; kernels/PERF.md), `exact`
+    /// (ggml's association: llama.cpp's logits bit for bit), `fast`
     /// (quantized products rounded once per block and row, attention in f32 queries and
     /// probabilities: faster where the multiply pipes bind; as near the reference as
     /// `exact`), `split` (`fast` with the K/V products' input quantized in two parts in the
