@@ -209,12 +209,12 @@ impl Kernels {
 
     /// Whether this CPU's row-lane `Fast` products ([`lanes::LaneMath::Fast`]) run markedly
     /// faster than its `Exact` ones — by more than the 3 % of the multiply-adds that `split`
-    /// computes twice (6 % of a layer's, in half the layers: [`crate::model::Arith::Split`]). False where the level has no
-    /// row-lane kernels, and on AMD's family 1Ah (Zen 5) and later, whose full-width 512-bit
-    /// FMA pipes run `Exact`'s extra multiply-adds at no cost (measured there, `fast` over
-    /// `exact`: prompts 0.97×, one stream's decode 1.00×, 16 streams 1.04×; on an Intel
-    /// Xeon with AVX-512 VNNI 1.31×, 1.04×, 1.32×; on AMD Zen 4, 1.6× on the products, 1.3×
-    /// serving). kernels/PERF.md has the tables.
+    /// computes twice (6 % of a layer's, in half the layers: [`crate::model::Arith::Split`]).
+    /// False where the level has no row-lane kernels, and on AMD's family 1Ah (Zen 5) and
+    /// later, whose full-width 512-bit FMA pipes run `Exact`'s extra multiply-adds at no
+    /// cost (measured there, `fast` over `exact`: prompts 0.97×, one stream's decode 1.00×,
+    /// 16 streams 1.04×; on an Intel Xeon with AVX-512 VNNI 1.31×, 1.04×, 1.32×; on AMD
+    /// Zen 4, 1.6× on the products, 1.3× serving). kernels/PERF.md has the tables.
     pub fn fast_lanes_pay(&self) -> bool {
         if self.lanes.is_none() {
             return false;
