@@ -8,6 +8,8 @@
 //! `MATH=ggml|exact|fast` runs one arithmetic only; `REPS` sets the timed steps (4);
 //! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`);
 //! `BS` sets the tokens per cache block (16); `ATTN=ggml` keeps ggml's attention under `fast`.
+//! `MIX=N` adds a fresh sequence's N-token prompt chunk to the step (a decode step with a
+//! prompt riding on it), `MIX_ONLY=1` times that chunk alone.
 //! `RATES=1` times the products alone instead (TOKENS tokens, each arithmetic): one FFN
 //! matrix again and again (in L1/L2), every layer's matrices in turn (from the last-level
 //! cache as far as they fit), and the same after reading 512 MiB of other memory twice (from
@@ -130,16 +132,22 @@ fn profile(
     let bs: usize = std::env::var("BS").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
     let n_seq = seqs.unwrap_or(1);
     let nb = (n_tok + 1).div_ceil(bs);
-    let mut kv = KvCache::new(&model.cfg, nb * n_seq, bs)?;
+    // `MIX`: a fresh sequence's prompt chunk of that many tokens in the same step, in blocks
+    // of its own after the others'.
+    let mix: usize = std::env::var("MIX").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mix_nb = mix.div_ceil(bs);
+    let mut kv = KvCache::new(&model.cfg, nb * n_seq + mix_nb, bs)?;
+    let mix_table: Vec<u32> = (0..mix_nb).map(|b| (nb * n_seq + b) as u32).collect();
+    let mix_ids: Vec<u32> = (0..mix as u32).map(|i| 200 + i * 13 % 5000).collect();
     // Blocks scattered over the cache as a serving engine's free list leaves them (a fixed
     // permutation: 7919 is prime), so that decode attention reads rows as it does there.
     let n_blocks = nb * n_seq;
     let scatter = |j: usize| ((j * 7919 + 13) % n_blocks) as u32;
     let tables: Vec<Vec<u32>> =
         (0..n_seq).map(|i| (0..nb).map(|b| scatter(b + i * nb)).collect()).collect();
-    let step = if seqs.is_some() { n_seq } else { n_tok };
-    let mut s = Scratch::new(model, n_tok.max(n_seq), nb * bs, pool.n_threads());
-    let mut logits = vec![0.0; model.cfg.n_vocab * n_seq];
+    let max_ctx = (nb * bs).max(mix_nb * bs);
+    let mut s = Scratch::new(model, n_tok.max(n_seq) + mix, max_ctx, pool.n_threads());
+    let mut logits = vec![0.0; model.cfg.n_vocab * (n_seq + 1)];
     if seqs.is_some() {
         // Fill every sequence's cache with the prompt (untimed).
         for table in &tables {
@@ -179,6 +187,21 @@ fn profile(
             })
             .collect(),
     };
+    let mut chunks = chunks;
+    // `MIX_ONLY=1`: the prompt chunk alone, to set beside the step with it.
+    if std::env::var("MIX_ONLY").is_ok() {
+        chunks.clear();
+    }
+    if mix > 0 {
+        chunks.push(SeqChunk {
+            tokens: &mix_ids,
+            start_pos: 0,
+            block_table: &mix_table,
+            logits: Logits::Skip,
+            mode: AttnMode::Prefill,
+        });
+    }
+    let step: usize = chunks.iter().map(|c| c.tokens.len()).sum();
     let mut spans: BTreeMap<String, f64> = BTreeMap::new();
     let reps: usize = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
     let mut total = 0.0;
