@@ -9,7 +9,7 @@
 //! `HEAD=argmax` makes decode rows greedy-only (the screened head of `kvx_kernels::greedy`);
 //! `BS` sets the tokens per cache block (16); `ATTN=ggml` keeps ggml's attention under `fast`.
 //! `MIX=N` adds a fresh sequence's N-token prompt chunk to the step (a decode step with a
-//! prompt riding on it), `MIX_ONLY=1` times that chunk alone.
+//! prompt riding on it), and with it `MIX_ONLY=1` times that chunk alone.
 //! `RATES=1` times the products alone instead (TOKENS tokens, each arithmetic): one FFN
 //! matrix again and again (in L1/L2), every layer's matrices in turn (from the last-level
 //! cache as far as they fit), and the same after reading 512 MiB of other memory twice (from
@@ -168,7 +168,7 @@ fn profile(
         Ok("argmax") => Logits::Argmax,
         _ => Logits::Full,
     };
-    let chunks: Vec<SeqChunk<'_>> = match seqs {
+    let mut chunks: Vec<SeqChunk<'_>> = match seqs {
         None => vec![SeqChunk {
             tokens: &ids,
             start_pos: 0,
@@ -187,18 +187,19 @@ fn profile(
             })
             .collect(),
     };
-    let mut chunks = chunks;
-    // `MIX_ONLY=1`: the prompt chunk alone, to set beside the step with it.
-    if std::env::var("MIX_ONLY").is_ok() {
-        chunks.clear();
-    }
     if mix > 0 {
+        // `MIX_ONLY=1`: the prompt chunk alone, to set beside the step with it.
+        if std::env::var("MIX_ONLY").is_ok_and(|v| v == "1") {
+            chunks.clear();
+        }
+        // As the engine runs it: a one-token chunk in the decode path.
+        let mode = if mix > 1 { AttnMode::Prefill } else { AttnMode::Decode };
         chunks.push(SeqChunk {
             tokens: &mix_ids,
             start_pos: 0,
             block_table: &mix_table,
             logits: Logits::Skip,
-            mode: AttnMode::Prefill,
+            mode,
         });
     }
     let step: usize = chunks.iter().map(|c| c.tokens.len()).sum();
