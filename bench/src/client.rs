@@ -1,17 +1,23 @@
-//! The HTTP client: pooled keep-alive connections with TCP_NODELAY, one request at a time per
-//! caller, timing every content chunk of the stream as it arrives.
+//! The HTTP client: each caller keeps its own HTTP/1.1 connection (TCP_NODELAY) alive from one
+//! request to the next, and times every content chunk of the stream as it arrives.
+//!
+//! A caller's connection lives in its [`Scratch`], so a closed-loop stream sends its requests
+//! on one connection for as long as the server keeps it open, and a new one is opened only
+//! when it is closed. No pool stands between a request and its connection: behind hyper-util's
+//! pooled client, a request against llama-server once waited out the whole timeout (600 s)
+//! with no connection open, and the server never ran it.
 
 use std::fmt;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderName, HeaderValue};
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderName, HeaderValue};
 use http::{Method, Request, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::Client as HyperClient;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
+use tokio::net::TcpStream;
 
 use crate::BenchError;
 use crate::request::EndpointConfig;
@@ -93,6 +99,8 @@ impl<'de> Deserialize<'de> for ErrorClass {
 #[derive(Debug, Default)]
 pub struct Scratch {
     parser: SseParser,
+    /// The caller's kept-alive connection, if it has one open.
+    conn: Option<SendRequest<Full<Bytes>>>,
     /// Gaps between consecutive content chunks of the last request, in nanoseconds.
     pub gaps: Vec<u64>,
     /// Generated text of the last request (filled only when asked for).
@@ -131,16 +139,17 @@ fn retry_after(v: &HeaderValue) -> Option<Duration> {
     Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER))
 }
 
-/// A client for one endpoint. Cheap to share behind an `Arc`; all callers share the pool.
+/// A client for one endpoint. Cheap to share behind an `Arc`; each caller brings its own
+/// connection in its [`Scratch`].
 #[derive(Debug)]
 pub struct Client {
-    http: HyperClient<HttpConnector, Full<Bytes>>,
-    /// Keeps no idle connections: every request on it opens its own (for resends).
-    fresh: HyperClient<HttpConnector, Full<Bytes>>,
     uri: Uri,
     models_uri: Uri,
+    /// `host:port` to connect to.
+    addr: String,
     headers: Vec<(HeaderName, HeaderValue)>,
     timeout: Duration,
+    connect_timeout: Duration,
     stream: bool,
 }
 
@@ -148,7 +157,12 @@ impl Client {
     /// A client for `endpoint`; every request is cut off after `timeout`.
     pub fn new(endpoint: &EndpointConfig, timeout: Duration) -> Result<Self, BenchError> {
         let (uri, models_uri) = resolve_uris(&endpoint.url, endpoint.api.default_path())?;
+        let authority = uri.authority().ok_or_else(|| BenchError::config("no host"))?;
+        let addr = format!("{}:{}", authority.host(), authority.port_u16().unwrap_or(80));
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| BenchError::config("the host is not a valid header value"))?;
         let mut headers = vec![
+            (HOST, host),
             (CONTENT_TYPE, HeaderValue::from_static("application/json")),
             (
                 ACCEPT,
@@ -171,16 +185,40 @@ impl Client {
                 .map_err(|_| BenchError::config(format!("bad value for header {k}")))?;
             headers.push((name, value));
         }
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(30))));
-        let http = HyperClient::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(usize::MAX)
-            .build(connector.clone());
-        let fresh =
-            HyperClient::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(connector);
-        Ok(Self { http, fresh, uri, models_uri, headers, timeout, stream: endpoint.stream })
+        let connect_timeout = timeout.min(Duration::from_secs(30));
+        Ok(Self {
+            uri,
+            models_uri,
+            addr,
+            headers,
+            timeout,
+            connect_timeout,
+            stream: endpoint.stream,
+        })
+    }
+
+    /// Opens a connection (TCP_NODELAY) and starts its HTTP/1.1 driver.
+    async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, ErrorClass> {
+        let tcp = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&*self.addr))
+            .await
+            .map_err(|_| ErrorClass::Connect)?
+            .map_err(|e| {
+                tracing::debug!(error = ?e, addr = %self.addr, "connect failed");
+                ErrorClass::Connect
+            })?;
+        // Small writes (requests) go out at once; a failure leaves Nagle's delay, not an error.
+        let _ = tcp.set_nodelay(true);
+        let (tx, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(|e| {
+                tracing::debug!(error = ?e, "handshake failed");
+                ErrorClass::Connect
+            })?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = ?e, "connection ended");
+            }
+        });
+        Ok(tx)
     }
 
     /// The URI requests go to.
@@ -188,8 +226,10 @@ impl Client {
         &self.uri
     }
 
-    fn request(&self, method: Method, uri: Uri, body: Bytes) -> Result<Request<Full<Bytes>>, ()> {
-        let mut b = Request::builder().method(method).uri(uri);
+    /// A request in origin form (the path; `Host` among the headers), as HTTP/1.1 sends it.
+    fn request(&self, method: Method, uri: &Uri, body: Bytes) -> Result<Request<Full<Bytes>>, ()> {
+        let path = uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut b = Request::builder().method(method).uri(path);
         if let Some(h) = b.headers_mut() {
             h.reserve(self.headers.len());
             for (k, v) in &self.headers {
@@ -203,12 +243,16 @@ impl Client {
     pub async fn first_model(&self) -> Result<String, BenchError> {
         let fail = |m: String| BenchError::config(format!("GET {}: {m}", self.models_uri));
         let req = self
-            .request(Method::GET, self.models_uri.clone(), Bytes::new())
+            .request(Method::GET, &self.models_uri, Bytes::new())
             .map_err(|()| fail("bad request".into()))?;
-        let resp = tokio::time::timeout(self.timeout, self.http.request(req))
-            .await
-            .map_err(|_| fail("timed out".into()))?
-            .map_err(|e| fail(e.to_string()))?;
+        let resp = tokio::time::timeout(self.timeout, async {
+            let mut tx = self.connect().await.map_err(|_| "cannot connect".to_string())?;
+            tx.ready().await.map_err(|e| e.to_string())?;
+            tx.send_request(req).await.map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|_| fail("timed out".into()))?
+        .map_err(fail)?;
         if !resp.status().is_success() {
             return Err(fail(format!("status {}", resp.status())));
         }
@@ -280,11 +324,31 @@ impl Client {
         let mut retried = false;
         let resp = loop {
             let req = self
-                .request(Method::POST, self.uri.clone(), body.clone())
+                .request(Method::POST, &self.uri, body.clone())
                 .map_err(|()| ErrorClass::Body)?;
-            let http = if retried { &self.fresh } else { &self.http };
-            match http.request(req).await {
-                Ok(resp) => break resp,
+            // The caller's connection, once it has read its last response to the end (a
+            // closed one, or one that fails to get there, is replaced without a resend: the
+            // request has not gone out).
+            let kept = match scratch.conn.take() {
+                Some(mut tx) if !tx.is_closed() => tx.ready().await.is_ok().then_some(tx),
+                _ => None,
+            };
+            let mut tx = match kept {
+                Some(tx) => tx,
+                None => {
+                    let mut tx = self.connect().await?;
+                    tx.ready().await.map_err(|e| {
+                        tracing::debug!(error = ?e, "connection closed before a request");
+                        ErrorClass::Connect
+                    })?;
+                    tx
+                }
+            };
+            match tx.send_request(req).await {
+                Ok(resp) => {
+                    scratch.conn = Some(tx);
+                    break resp;
+                }
                 Err(e) if !retried && closed_before_response(&e) => {
                     tracing::debug!(error = ?e, "connection closed before a response; resending");
                     retried = true;
@@ -292,11 +356,7 @@ impl Client {
                 }
                 Err(e) => {
                     tracing::debug!(error = ?e, "request failed before a response");
-                    return Err(if e.is_connect() {
-                        ErrorClass::Connect
-                    } else {
-                        ErrorClass::Body
-                    });
+                    return Err(ErrorClass::Body);
                 }
             }
         };
@@ -319,7 +379,7 @@ impl Client {
                 .to_bytes();
             return st.full_response(&bytes, &mut scratch.text);
         }
-        let Scratch { parser, gaps, text } = scratch;
+        let Scratch { parser, gaps, text, .. } = scratch;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
                 tracing::debug!(error = ?e, "response body failed");
@@ -342,15 +402,8 @@ impl Client {
 
 /// Whether a request failed because the server closed the connection before any response
 /// (hyper's "incomplete message" while sending): the request was not taken up.
-fn closed_before_response(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = std::error::Error::source(e);
-    while let Some(err) = source {
-        if let Some(h) = err.downcast_ref::<hyper::Error>() {
-            return h.is_incomplete_message() || h.is_canceled();
-        }
-        source = err.source();
-    }
-    false
+fn closed_before_response(e: &hyper::Error) -> bool {
+    e.is_incomplete_message() || e.is_canceled()
 }
 
 /// Progress through one streamed response.

@@ -174,6 +174,25 @@ fn poisson_arrivals_are_deterministic_for_a_seed() {
 }
 
 #[test]
+fn closed_loop_streams_keep_their_connections() {
+    // Each of the 4 streams sends its requests on one kept-alive connection: the server sees 4
+    // connections for 40 requests (and one for the model list), and nothing is resent.
+    let fixture = Fixture::start(FixtureConfig::default());
+    let mut cfg = config(&fixture.url());
+    cfg.max_requests = Some(40);
+    cfg.load = LoadConfig::Closed { concurrency: vec![4] };
+    cfg.workload = WorkloadConfig::Synthetic {
+        input: LengthDist::fixed(8),
+        output: LengthDist::fixed(4),
+        prompts: 5,
+    };
+    let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
+    assert_eq!((r.requests.completed, r.requests.failed), (40, 0), "{:?}", r.errors);
+    assert_eq!(r.client.resent, 0);
+    assert_eq!(fixture.connections(), 4 + 1, "one connection per stream");
+}
+
+#[test]
 fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     // Each connection's third request is dropped with the connection, unanswered (a server
     // capping kept-alive requests): each is sent once more on a fresh connection and completes.
@@ -190,6 +209,9 @@ fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     assert_eq!((r.requests.completed, r.requests.failed), (20, 0), "{:?}", r.errors);
     assert!(r.client.resent > 0, "the dropped requests were sent again");
     assert_eq!(fixture.requests(), 20 + r.client.resent);
+    // A stream's connection is replaced only when the server drops it: each answers 2 requests,
+    // so at most 20 / 2 of them, one partly used per stream, and one for the model list.
+    assert!(fixture.connections() <= 4 + 20 / 2 + 1, "{} connections", fixture.connections());
 
     // Once only: a server that drops every request still fails each one, as `body`.
     let fixture = Fixture::start(FixtureConfig { close_at: Some(1), ..Default::default() });

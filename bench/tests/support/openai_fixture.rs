@@ -94,6 +94,7 @@ struct State {
     cache: Mutex<PrefixCache>,
     log: Mutex<Vec<Seen>>,
     requests: AtomicU64,
+    connections: AtomicU64,
 }
 
 impl State {
@@ -146,6 +147,7 @@ impl Fixture {
             cache: Mutex::new(PrefixCache::default()),
             log: Mutex::new(Vec::new()),
             requests: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let st = state.clone();
@@ -175,6 +177,11 @@ impl Fixture {
         self.state.requests.load(Ordering::Relaxed)
     }
 
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::Relaxed)
+    }
+
     /// Completion requests in arrival order.
     pub fn log(&self) -> Vec<Seen> {
         self.state.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -199,6 +206,7 @@ pub async fn serve_forever(listener: TcpListener, cfg: FixtureConfig) {
         cache: Mutex::new(PrefixCache::default()),
         log: Mutex::new(Vec::new()),
         requests: AtomicU64::new(0),
+        connections: AtomicU64::new(0),
     });
     serve(listener, state).await;
 }
@@ -207,6 +215,7 @@ async fn serve(listener: TcpListener, state: Arc<State>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
         let _ = stream.set_nodelay(true);
+        state.connections.fetch_add(1, Ordering::Relaxed);
         let state = state.clone();
         tokio::spawn(async move {
             let posts = Arc::new(AtomicU64::new(0));
