@@ -1,11 +1,11 @@
-//! The HTTP client: each caller keeps its own HTTP/1.1 connection (TCP_NODELAY) alive from one
-//! request to the next, and times every content chunk of the stream as it arrives.
+//! The HTTP client: HTTP/1.1 connections (TCP_NODELAY) kept alive in the callers' [`Scratch`]
+//! from one request to the next, timing every content chunk of the stream as it arrives.
 //!
-//! A caller's connection lives in its [`Scratch`], so a closed-loop stream sends its requests
-//! on one connection for as long as the server keeps it open, and a new one is opened only
-//! when it is closed. No pool stands between a request and its connection: behind hyper-util's
-//! pooled client, a request against llama-server once waited out the whole timeout (600 s)
-//! with no connection open, and the server never ran it.
+//! A closed-loop stream sends its requests on one connection for as long as the server keeps
+//! it open; a new one is opened when it is closed, including by the client itself after a
+//! response it did not read to the end (a timeout, a broken stream, an error status whose body
+//! was still arriving). A request waits only on its own connection: connecting is bounded by
+//! the connect timeout, and any other wait fails when that connection closes.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -159,7 +159,12 @@ impl Client {
         let (uri, models_uri) = resolve_uris(&endpoint.url, endpoint.api.default_path())?;
         let authority = uri.authority().ok_or_else(|| BenchError::config("no host"))?;
         let addr = format!("{}:{}", authority.host(), authority.port_u16().unwrap_or(80));
-        let host = HeaderValue::from_str(authority.as_str())
+        // `Host` is the host and port alone: never the URL's user information.
+        let host = match authority.port_u16() {
+            Some(port) => format!("{}:{port}", authority.host()),
+            None => authority.host().to_string(),
+        };
+        let host = HeaderValue::from_str(&host)
             .map_err(|_| BenchError::config("the host is not a valid header value"))?;
         let mut headers = vec![
             (HOST, host),
@@ -245,22 +250,23 @@ impl Client {
         let req = self
             .request(Method::GET, &self.models_uri, Bytes::new())
             .map_err(|()| fail("bad request".into()))?;
-        let resp = tokio::time::timeout(self.timeout, async {
-            let mut tx = self.connect().await.map_err(|_| "cannot connect".to_string())?;
+        let body = tokio::time::timeout(self.timeout, async {
+            let mut tx =
+                self.connect().await.map_err(|_| format!("cannot connect to {}", self.addr))?;
             tx.ready().await.map_err(|e| e.to_string())?;
-            tx.send_request(req).await.map_err(|e| e.to_string())
+            let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
+            if !resp.status().is_success() {
+                return Err(format!("status {}", resp.status()));
+            }
+            Limited::new(resp.into_body(), MAX_BODY_BYTES)
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .map_err(|e| e.to_string())
         })
         .await
         .map_err(|_| fail("timed out".into()))?
         .map_err(fail)?;
-        if !resp.status().is_success() {
-            return Err(fail(format!("status {}", resp.status())));
-        }
-        let body = Limited::new(resp.into_body(), MAX_BODY_BYTES)
-            .collect()
-            .await
-            .map_err(|e| fail(e.to_string()))?
-            .to_bytes();
         #[derive(Deserialize)]
         struct Models {
             data: Vec<Model>,
@@ -319,8 +325,8 @@ impl Client {
         st: &mut StreamState,
     ) -> Result<(), ErrorClass> {
         // A kept-alive connection the server closes just as the request goes out (servers
-        // cap requests per connection or idle time) fails without the server having seen the
-        // request: send it once more, on a fresh connection.
+        // cap requests per connection or idle time) fails without an answer: send the request
+        // once more, on a fresh connection.
         let mut retried = false;
         let resp = loop {
             let req = self
@@ -400,8 +406,8 @@ impl Client {
     }
 }
 
-/// Whether a request failed because the server closed the connection before any response
-/// (hyper's "incomplete message" while sending): the request was not taken up.
+/// Whether a request failed because the connection closed without an answer: before the
+/// request was written (`canceled`), or after, with no response (`incomplete message`).
 fn closed_before_response(e: &hyper::Error) -> bool {
     e.is_incomplete_message() || e.is_canceled()
 }

@@ -347,7 +347,8 @@ struct Ctx {
     max_in_flight: usize,
     progress: bool,
     seed: u64,
-    /// Reusable request buffers (bounded by the number of concurrent requests).
+    /// Reusable request buffers and their kept-alive connections (bounded by the number of
+    /// concurrent requests): a request takes one, and puts it back when it is done.
     scratch: Mutex<Vec<Scratch>>,
     dataset: Dataset,
 }

@@ -175,8 +175,8 @@ fn poisson_arrivals_are_deterministic_for_a_seed() {
 
 #[test]
 fn closed_loop_streams_keep_their_connections() {
-    // Each of the 4 streams sends its requests on one kept-alive connection: the server sees 4
-    // connections for 40 requests (and one for the model list), and nothing is resent.
+    // Each of the 4 streams sends its requests on one kept-alive connection: the server sees at
+    // most 4 connections for 40 requests (and one for the model list), and nothing is resent.
     let fixture = Fixture::start(FixtureConfig::default());
     let mut cfg = config(&fixture.url());
     cfg.max_requests = Some(40);
@@ -189,7 +189,8 @@ fn closed_loop_streams_keep_their_connections() {
     let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
     assert_eq!((r.requests.completed, r.requests.failed), (40, 0), "{:?}", r.errors);
     assert_eq!(r.client.resent, 0);
-    assert_eq!(fixture.connections(), 4 + 1, "one connection per stream");
+    let n = fixture.connections();
+    assert!((2..=4 + 1).contains(&n), "{n} connections: at most one per stream");
 }
 
 #[test]
@@ -209,9 +210,10 @@ fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     assert_eq!((r.requests.completed, r.requests.failed), (20, 0), "{:?}", r.errors);
     assert!(r.client.resent > 0, "the dropped requests were sent again");
     assert_eq!(fixture.requests(), 20 + r.client.resent);
-    // A stream's connection is replaced only when the server drops it: each answers 2 requests,
-    // so at most 20 / 2 of them, one partly used per stream, and one for the model list.
-    assert!(fixture.connections() <= 4 + 20 / 2 + 1, "{} connections", fixture.connections());
+    // A stream's connection is replaced only when the server drops it: besides the model
+    // list's, one connection for each resend and the one each stream (1 to 4) still holds.
+    let (n, resent) = (fixture.connections(), r.client.resent);
+    assert!((1 + resent + 1..=1 + resent + 4).contains(&n), "{n} connections, {resent} resent");
 
     // Once only: a server that drops every request still fails each one, as `body`.
     let fixture = Fixture::start(FixtureConfig { close_at: Some(1), ..Default::default() });
