@@ -202,7 +202,8 @@ impl Client {
         })
     }
 
-    /// Opens a connection (TCP_NODELAY) and starts its HTTP/1.1 driver.
+    /// Opens a connection (TCP_NODELAY), starts its HTTP/1.1 driver and waits until it takes a
+    /// request.
     async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, ErrorClass> {
         let tcp = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&*self.addr))
             .await
@@ -213,7 +214,7 @@ impl Client {
             })?;
         // Small writes (requests) go out at once; a failure leaves Nagle's delay, not an error.
         let _ = tcp.set_nodelay(true);
-        let (tx, conn) =
+        let (mut tx, conn) =
             hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(|e| {
                 tracing::debug!(error = ?e, "handshake failed");
                 ErrorClass::Connect
@@ -223,6 +224,10 @@ impl Client {
                 tracing::debug!(error = ?e, "connection ended");
             }
         });
+        tx.ready().await.map_err(|e| {
+            tracing::debug!(error = ?e, "connection closed before a request");
+            ErrorClass::Connect
+        })?;
         Ok(tx)
     }
 
@@ -253,7 +258,6 @@ impl Client {
         let body = tokio::time::timeout(self.timeout, async {
             let mut tx =
                 self.connect().await.map_err(|_| format!("cannot connect to {}", self.addr))?;
-            tx.ready().await.map_err(|e| e.to_string())?;
             let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
             if !resp.status().is_success() {
                 return Err(format!("status {}", resp.status()));
@@ -341,14 +345,7 @@ impl Client {
             };
             let mut tx = match kept {
                 Some(tx) => tx,
-                None => {
-                    let mut tx = self.connect().await?;
-                    tx.ready().await.map_err(|e| {
-                        tracing::debug!(error = ?e, "connection closed before a request");
-                        ErrorClass::Connect
-                    })?;
-                    tx
-                }
+                None => self.connect().await?,
             };
             match tx.send_request(req).await {
                 Ok(resp) => {
