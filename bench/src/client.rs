@@ -122,7 +122,7 @@ pub struct Outcome {
     pub usage: Option<Usage>,
     /// Set when the request failed.
     pub error: Option<ErrorClass>,
-    /// Whether the request was sent a second time (its connection closed unanswered).
+    /// Whether the request was sent a second time (its connection closed or was reset unanswered).
     pub resent: bool,
     /// The wait a shedding server asked for (`Retry-After` in seconds on a 429 or 503),
     /// at most [`MAX_RETRY_AFTER`].
@@ -404,9 +404,21 @@ impl Client {
 }
 
 /// Whether a request failed because the connection closed without an answer: before the
-/// request was written (`canceled`), or after, with no response (`incomplete message`).
+/// request was written (`canceled`), or after, with no response (`incomplete message`, or a
+/// reset: a server that closes a socket holding a request it has not read resets it).
 fn closed_before_response(e: &hyper::Error) -> bool {
-    e.is_incomplete_message() || e.is_canceled()
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+    if e.is_incomplete_message() || e.is_canceled() {
+        return true;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return matches!(io.kind(), ConnectionReset | ConnectionAborted | BrokenPipe);
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// Progress through one streamed response.

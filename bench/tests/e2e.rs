@@ -226,6 +226,26 @@ fn a_request_on_a_connection_the_server_closes_is_sent_again() {
 }
 
 #[test]
+fn a_request_on_a_connection_the_server_resets_is_sent_again() {
+    // As above, but each dropped connection is reset rather than shut down (the server closed
+    // it with the request unread): the reset is an unanswered request too, sent once more.
+    let fixture =
+        Fixture::start(FixtureConfig { close_at: Some(3), reset: true, ..Default::default() });
+    let mut cfg = config(&fixture.url());
+    cfg.max_requests = Some(20);
+    cfg.load = LoadConfig::Closed { concurrency: vec![4] };
+    cfg.workload = WorkloadConfig::Synthetic {
+        input: LengthDist::fixed(8),
+        output: LengthDist::fixed(2),
+        prompts: 5,
+    };
+    let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
+    assert_eq!((r.requests.completed, r.requests.failed), (20, 0), "{:?}", r.errors);
+    assert!(r.client.resent > 0, "the reset requests were sent again");
+    assert_eq!(fixture.requests(), 20 + r.client.resent);
+}
+
+#[test]
 fn failures_are_counted_by_class() {
     let fixture = Fixture::start(FixtureConfig { fail_every: Some(4), ..Default::default() });
     let mut cfg = config(&fixture.url());

@@ -52,6 +52,9 @@ pub struct FixtureConfig {
     /// Close each connection at its Nth POST instead of answering it, as a server that caps
     /// the requests of a kept-alive connection does when the client reuses it once more.
     pub close_at: Option<u64>,
+    /// Close connections with a reset (`SO_LINGER` 0) instead of an orderly shutdown, as a
+    /// server does that closes a socket holding a request it has not read.
+    pub reset: bool,
     /// Report usage only when the request asks for it (`stream_options.include_usage`).
     pub usage_only_when_asked: bool,
 }
@@ -68,6 +71,7 @@ impl Default for FixtureConfig {
             fail_every: None,
             shed_retry_after: None,
             close_at: None,
+            reset: false,
             usage_only_when_asked: true,
         }
     }
@@ -215,6 +219,9 @@ async fn serve(listener: TcpListener, state: Arc<State>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
         let _ = stream.set_nodelay(true);
+        if state.cfg.reset {
+            let _ = stream.set_zero_linger();
+        }
         state.connections.fetch_add(1, Ordering::Relaxed);
         let state = state.clone();
         tokio::spawn(async move {
