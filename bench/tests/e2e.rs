@@ -194,6 +194,28 @@ fn closed_loop_streams_keep_their_connections() {
 }
 
 #[test]
+fn a_request_cut_off_mid_stream_gives_up_its_connection() {
+    // Every response streams for ~1 s and the timeout is 0.3 s: each request times out with
+    // its stream half read, is not sent again, and the next one goes out on a new connection
+    // (the old one cannot carry another request before the rest of that stream).
+    let fixture =
+        Fixture::start(FixtureConfig { itl: Duration::from_millis(200), ..Default::default() });
+    let mut cfg = config(&fixture.url());
+    cfg.max_requests = Some(4);
+    cfg.endpoint.model = Some("m".into());
+    cfg.request_timeout = Duration::from_millis(300);
+    cfg.workload = WorkloadConfig::Synthetic {
+        input: LengthDist::fixed(8),
+        output: LengthDist::fixed(5),
+        prompts: 5,
+    };
+    let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
+    assert_eq!(r.errors.get("timeout"), Some(&4), "{:?}", r.errors);
+    assert_eq!((fixture.requests(), r.client.resent), (4, 0));
+    assert_eq!(fixture.connections(), 1 + 4, "the model list's, then one a request");
+}
+
+#[test]
 fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     // Each connection's third request is dropped with the connection, unanswered (a server
     // capping kept-alive requests): each is sent once more on a fresh connection and completes.
