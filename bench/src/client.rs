@@ -328,9 +328,9 @@ impl Client {
         want_text: bool,
         st: &mut StreamState,
     ) -> Result<(), ErrorClass> {
-        // A kept-alive connection the server closes just as the request goes out (servers
-        // cap requests per connection or idle time) fails without an answer: send the request
-        // once more, on a fresh connection.
+        // A kept-alive connection the server closes (or resets) just as the request goes out
+        // (servers cap requests per connection or idle time) fails without an answer: send
+        // the request once more, on a fresh connection.
         let mut retried = false;
         let resp = loop {
             let req = self

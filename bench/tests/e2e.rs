@@ -195,15 +195,15 @@ fn closed_loop_streams_keep_their_connections() {
 
 #[test]
 fn a_request_cut_off_mid_stream_gives_up_its_connection() {
-    // Every response streams for ~1 s and the timeout is 0.3 s: each request times out with
-    // its stream half read, is not sent again, and the next one goes out on a new connection
-    // (the old one cannot carry another request before the rest of that stream).
+    // Every response streams for 2 s and the timeout is 1 s: each request times out with its
+    // stream half read, is not sent again, and the next one goes out on a new connection (the
+    // old one cannot carry another request before the rest of that stream).
     let fixture =
-        Fixture::start(FixtureConfig { itl: Duration::from_millis(200), ..Default::default() });
+        Fixture::start(FixtureConfig { itl: Duration::from_millis(500), ..Default::default() });
     let mut cfg = config(&fixture.url());
     cfg.max_requests = Some(4);
     cfg.endpoint.model = Some("m".into());
-    cfg.request_timeout = Duration::from_millis(300);
+    cfg.request_timeout = Duration::from_secs(1);
     cfg.workload = WorkloadConfig::Synthetic {
         input: LengthDist::fixed(8),
         output: LengthDist::fixed(5),

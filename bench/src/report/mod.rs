@@ -253,8 +253,8 @@ pub struct ClientStats {
     pub peak_in_flight: u64,
     /// Requests not kept in `request_records` because the record limit was reached.
     pub records_dropped: u64,
-    /// Requests sent a second time because the server closed their kept-alive connection
-    /// before answering (they count once, by their final outcome).
+    /// Requests sent a second time because the server closed or reset their kept-alive
+    /// connection before answering (they count once, by their final outcome).
     #[serde(default)]
     pub resent: u64,
 }
