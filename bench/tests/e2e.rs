@@ -218,24 +218,30 @@ fn a_request_cut_off_mid_stream_gives_up_its_connection() {
 #[test]
 fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     // Each connection's third request is dropped with the connection, unanswered (a server
-    // capping kept-alive requests): each is sent once more on a fresh connection and completes.
-    let fixture = Fixture::start(FixtureConfig { close_at: Some(3), ..Default::default() });
-    let mut cfg = config(&fixture.url());
-    cfg.max_requests = Some(20);
-    cfg.load = LoadConfig::Closed { concurrency: vec![4] };
-    cfg.workload = WorkloadConfig::Synthetic {
-        input: LengthDist::fixed(8),
-        output: LengthDist::fixed(2),
-        prompts: 5,
-    };
-    let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
-    assert_eq!((r.requests.completed, r.requests.failed), (20, 0), "{:?}", r.errors);
-    assert!(r.client.resent > 0, "the dropped requests were sent again");
-    assert_eq!(fixture.requests(), 20 + r.client.resent);
-    // A stream's connection is replaced only when the server drops it: besides the model
-    // list's, one connection for each resend and the one each stream (1 to 4) still holds.
-    let (n, resent) = (fixture.connections(), r.client.resent);
-    assert!((1 + resent + 1..=1 + resent + 4).contains(&n), "{n} connections, {resent} resent");
+    // capping kept-alive requests), shut down or reset (a socket closed with a request unread
+    // is reset): each is sent once more on a fresh connection and completes.
+    for reset in [false, true] {
+        let fixture =
+            Fixture::start(FixtureConfig { close_at: Some(3), reset, ..Default::default() });
+        let mut cfg = config(&fixture.url());
+        cfg.max_requests = Some(20);
+        cfg.load = LoadConfig::Closed { concurrency: vec![4] };
+        cfg.workload = WorkloadConfig::Synthetic {
+            input: LengthDist::fixed(8),
+            output: LengthDist::fixed(2),
+            prompts: 5,
+        };
+        let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
+        let done = (r.requests.completed, r.requests.failed);
+        assert_eq!(done, (20, 0), "reset {reset}: {:?}", r.errors);
+        assert!(r.client.resent > 0, "reset {reset}: the dropped requests were sent again");
+        assert_eq!(fixture.requests(), 20 + r.client.resent, "reset {reset}");
+        // A stream's connection is replaced only when the server drops it: besides the model
+        // list's, one connection for each resend and the one each stream (1 to 4) still holds.
+        let (n, resent) = (fixture.connections(), r.client.resent);
+        let want = 1 + resent + 1..=1 + resent + 4;
+        assert!(want.contains(&n), "reset {reset}: {n} connections, {resent} resent");
+    }
 
     // Once only: a server that drops every request still fails each one, as `body`.
     let fixture = Fixture::start(FixtureConfig { close_at: Some(1), ..Default::default() });
@@ -245,26 +251,6 @@ fn a_request_on_a_connection_the_server_closes_is_sent_again() {
     let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
     assert_eq!(r.errors.get("body"), Some(&3));
     assert_eq!((fixture.requests(), r.client.resent), (6, 3));
-}
-
-#[test]
-fn a_request_on_a_connection_the_server_resets_is_sent_again() {
-    // As above, but each dropped connection is reset rather than shut down (the server closed
-    // it with the request unread): the reset is an unanswered request too, sent once more.
-    let fixture =
-        Fixture::start(FixtureConfig { close_at: Some(3), reset: true, ..Default::default() });
-    let mut cfg = config(&fixture.url());
-    cfg.max_requests = Some(20);
-    cfg.load = LoadConfig::Closed { concurrency: vec![4] };
-    cfg.workload = WorkloadConfig::Synthetic {
-        input: LengthDist::fixed(8),
-        output: LengthDist::fixed(2),
-        prompts: 5,
-    };
-    let r = kvx_bench::run(&cfg).unwrap().runs.remove(0);
-    assert_eq!((r.requests.completed, r.requests.failed), (20, 0), "{:?}", r.errors);
-    assert!(r.client.resent > 0, "the reset requests were sent again");
-    assert_eq!(fixture.requests(), 20 + r.client.resent);
 }
 
 #[test]
