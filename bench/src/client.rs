@@ -158,12 +158,10 @@ impl Client {
     pub fn new(endpoint: &EndpointConfig, timeout: Duration) -> Result<Self, BenchError> {
         let (uri, models_uri) = resolve_uris(&endpoint.url, endpoint.api.default_path())?;
         let authority = uri.authority().ok_or_else(|| BenchError::config("no host"))?;
-        let addr = format!("{}:{}", authority.host(), authority.port_u16().unwrap_or(80));
+        let (name, port) = (authority.host(), authority.port_u16());
+        let addr = format!("{name}:{}", port.unwrap_or(80));
         // `Host` is the host and port alone: never the URL's user information.
-        let host = match authority.port_u16() {
-            Some(port) => format!("{}:{port}", authority.host()),
-            None => authority.host().to_string(),
-        };
+        let host = port.map_or_else(|| name.to_string(), |_| addr.clone());
         let host = HeaderValue::from_str(&host)
             .map_err(|_| BenchError::config("the host is not a valid header value"))?;
         let mut headers = vec![
