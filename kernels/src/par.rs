@@ -1,12 +1,25 @@
-//! A fork-join thread pool for the intra-op threads of one shard.
+//! A fork-join thread pool for the intra-op threads of one shard, which may borrow the
+//! cores of idle shards.
 //!
-//! `run(job)` executes `job(share, n_threads)` once for every share `0..n_threads` and returns
-//! when all are done. Worker `i` runs share `i` when it wakes in time; the caller runs share 0
-//! and then every share whose worker has not claimed it yet. So a worker that the OS has
-//! descheduled (a busy machine) delays nothing: its share is done by the caller instead of
-//! waited for. It allocates nothing per call: the job is passed by reference, workers wake on
-//! an epoch counter (spinning briefly, then parking). One dispatcher at a time (a mutex
-//! serializes `run`).
+//! `run(job)` executes `job(share, n)` once for every share `0..n` (`n` = the pool's width,
+//! [`ThreadPool::n_threads`]) and returns when all are done. Shares are claimed from a counter:
+//! the caller and every worker taking part claim the next unclaimed share until none is left,
+//! so a worker that the OS has descheduled (a busy machine) delays nothing it has not claimed.
+//! It allocates nothing per call: the job is passed by reference, workers wake on an epoch
+//! counter (spinning briefly, then parking). One dispatcher at a time (a mutex serializes
+//! `run`).
+//!
+//! # Guests
+//! A pool may also hold *guest* workers, each pinned (by the caller's start hook) to a core
+//! another shard owns and holding that core's [`CoreLease`]. The core's owner lends it while
+//! it has nothing to do and reclaims it when work arrives. [`ThreadPool::borrow_idle`] (the
+//! pool's owner calls it before a step) takes the leases of the cores lent at that moment and
+//! sets the width to the pool's own threads plus the guests it holds;
+//! [`ThreadPool::return_borrowed`] (after the step) gives them back. The width changes only
+//! there, so every run of a step splits its work the same way, and a share's bits do not
+//! depend on which thread computes it. A guest takes shares only while its pool holds its
+//! lease: on a reclaimed core it neither spins nor claims, and the shares it leaves are the
+//! caller's. Guests whose lease is not held are not woken.
 //!
 //! # Safety
 //! The job reference is lifetime-erased while workers may use it. A worker reads and calls it
@@ -19,8 +32,8 @@
 use std::cell::UnsafeCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 type Job<'a> = &'a (dyn Fn(usize, usize) + Sync);
@@ -28,21 +41,86 @@ type Job<'a> = &'a (dyn Fn(usize, usize) + Sync);
 /// How long an idle worker spins before parking.
 const SPIN: Duration = Duration::from_micros(100);
 
+/// Threads a pool holds at most (its own and guests): one bit each in the run's masks.
+pub const MAX_THREADS: usize = 64;
+
+/// A core's owner works on it.
+const BUSY: u64 = 0;
+/// The owner is idle: a pool may borrow the core.
+const FREE: u64 = 1;
+/// Lent to the pool with id `state - LENT`.
+const LENT: u64 = 2;
+
+/// Pool ids, for the leases they hold.
+static NEXT_POOL: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a core its owner (a shard) is not using may run another pool's work, and which
+/// pool's. Clones share the state. Starts busy.
+#[derive(Clone, Debug, Default)]
+pub struct CoreLease(Arc<AtomicU64>);
+
+impl CoreLease {
+    /// A lease of a core its owner is using.
+    pub fn new() -> CoreLease {
+        CoreLease(Arc::new(AtomicU64::new(BUSY)))
+    }
+
+    /// The owner has nothing to do: another pool may borrow the core (a lease already lent
+    /// stays with its borrower).
+    pub fn lend(&self) {
+        let _ = self.0.compare_exchange(BUSY, FREE, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// The owner needs its core: the borrower's guest stops taking shares (it finishes the
+    /// one it is computing).
+    pub fn reclaim(&self) {
+        self.0.store(BUSY, Ordering::SeqCst);
+    }
+
+    /// Whether the owner lends the core and no pool holds it.
+    pub fn is_free(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == FREE
+    }
+
+    fn try_hold(&self, pool: u64) -> bool {
+        let mine = LENT + pool;
+        let cur = self.0.load(Ordering::SeqCst);
+        cur == mine
+            || (cur == FREE
+                && self.0.compare_exchange(FREE, mine, Ordering::SeqCst, Ordering::SeqCst).is_ok())
+    }
+
+    fn held_by(&self, pool: u64) -> bool {
+        self.0.load(Ordering::SeqCst) == LENT + pool
+    }
+
+    fn give_back(&self, pool: u64) {
+        let _ = self.0.compare_exchange(LENT + pool, FREE, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
 struct Shared {
-    n_threads: usize,
+    id: u64,
+    /// The pool's own threads (the caller included); workers `own..` are guests.
+    own: usize,
+    /// Guest `g`'s lease is `leases[g]` (worker `own + g`).
+    leases: Vec<CoreLease>,
     epoch: AtomicU64,
     job: UnsafeCell<Option<Job<'static>>>,
+    /// Shares of the current run.
+    n: AtomicUsize,
+    /// Bit `i`: worker `i` takes part in the current run.
+    invited: AtomicU64,
     /// Set while the current job may be called.
     open: AtomicBool,
     /// Workers between checking `open` and leaving the job.
     active: AtomicUsize,
-    /// Bit `i`: share `i` of the current run was claimed.
-    claimed: AtomicU64,
+    /// The next share of the current run to claim.
+    next: AtomicUsize,
     /// Shares of the current run that finished.
     done: AtomicUsize,
-    sleepers: AtomicUsize,
-    sleep_lock: Mutex<()>,
-    wake: Condvar,
+    /// Per worker: parked (or about to park) until unparked.
+    sleeping: Vec<AtomicBool>,
     shutdown: AtomicBool,
     panicked: AtomicBool,
 }
@@ -51,23 +129,56 @@ struct Shared {
 // active, and read by workers only while active with `open` seen set; see the module docs.
 unsafe impl Sync for Shared {}
 
-/// A pool of `n_threads - 1` workers plus the calling thread.
+impl Shared {
+    /// Whether worker `index` may take shares now: its own, or a guest whose lease this pool
+    /// holds.
+    fn may_work(&self, index: usize) -> bool {
+        index < self.own || self.leases.get(index - self.own).is_some_and(|l| l.held_by(self.id))
+    }
+
+    /// Claims and runs shares of the current run until none is left.
+    fn claim_shares(&self, job: Job<'_>, n: usize) -> Option<Box<dyn std::any::Any + Send>> {
+        let mut panic = None;
+        loop {
+            let k = self.next.fetch_add(1, Ordering::SeqCst);
+            if k >= n {
+                return panic;
+            }
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| job(k, n))) {
+                panic.get_or_insert(p);
+            }
+            self.done.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A pool of `n_threads - 1` workers plus the calling thread, and its guests.
 pub struct ThreadPool {
     shared: Arc<Shared>,
     dispatch: Mutex<()>,
     workers: Vec<JoinHandle<()>>,
+    /// Worker `i`'s thread is `threads[i - 1]`.
+    threads: Vec<Thread>,
+    /// Shares of a run: the own threads plus the guests held.
+    width: AtomicUsize,
+    /// Bit `i`: guest worker `i` is held.
+    held: AtomicU64,
 }
 
 impl std::fmt::Debug for ThreadPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ThreadPool").field("n_threads", &self.shared.n_threads).finish()
+        f.debug_struct("ThreadPool")
+            .field("own", &self.shared.own)
+            .field("guests", &self.shared.leases.len())
+            .field("width", &self.n_threads())
+            .finish()
     }
 }
 
 impl ThreadPool {
-    /// A pool with `n_threads` threads in all (at least 1, at most 64).
+    /// A pool with `n_threads` threads in all (at least 1, at most [`MAX_THREADS`]).
     pub fn new(n_threads: usize) -> std::io::Result<Self> {
-        Self::with_start_hook(n_threads, |_| {})
+        Self::with_guests(n_threads, Vec::new(), |_| {})
     }
 
     /// Like [`ThreadPool::new`]; `hook(i)` runs first on each worker thread `i` (1-based;
@@ -76,82 +187,132 @@ impl ThreadPool {
         n_threads: usize,
         hook: impl Fn(usize) + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
-        let n_threads = n_threads.clamp(1, 64);
+        Self::with_guests(n_threads, Vec::new(), hook)
+    }
+
+    /// A pool of `n_threads` own threads and one guest per lease (module docs): guest `g` is
+    /// worker `n_threads + g`, and `hook` runs first on every worker, guests included (it
+    /// pins guest `g` to the core `leases[g]` lends). Own threads and guests together are at
+    /// most [`MAX_THREADS`]: leases past that are not used.
+    pub fn with_guests(
+        n_threads: usize,
+        mut leases: Vec<CoreLease>,
+        hook: impl Fn(usize) + Send + Sync + 'static,
+    ) -> std::io::Result<Self> {
+        let own = n_threads.clamp(1, MAX_THREADS);
+        leases.truncate(MAX_THREADS - own);
+        let total = own + leases.len();
         let shared = Arc::new(Shared {
-            n_threads,
+            id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
+            own,
+            leases,
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
+            n: AtomicUsize::new(0),
+            invited: AtomicU64::new(0),
             open: AtomicBool::new(false),
             active: AtomicUsize::new(0),
-            claimed: AtomicU64::new(0),
+            next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
-            sleepers: AtomicUsize::new(0),
-            sleep_lock: Mutex::new(()),
-            wake: Condvar::new(),
+            sleeping: (0..total).map(|_| AtomicBool::new(false)).collect(),
             shutdown: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
         });
         let hook = Arc::new(hook);
-        let mut workers = Vec::with_capacity(n_threads - 1);
-        for i in 1..n_threads {
+        let mut pool = ThreadPool {
+            shared: shared.clone(),
+            dispatch: Mutex::new(()),
+            workers: Vec::with_capacity(total - 1),
+            threads: Vec::with_capacity(total - 1),
+            width: AtomicUsize::new(own),
+            held: AtomicU64::new(0),
+        };
+        for i in 1..total {
             let worker_shared = shared.clone();
             let hook = hook.clone();
-            let spawned =
-                std::thread::Builder::new().name(format!("kvx-op-{i}")).spawn(move || {
-                    hook(i);
-                    worker_loop(&worker_shared, i)
-                });
-            match spawned {
-                Ok(h) => workers.push(h),
-                Err(e) => {
-                    let pool = ThreadPool { shared, dispatch: Mutex::new(()), workers };
-                    drop(pool);
-                    return Err(e);
-                }
+            let name = if i < own { format!("kvx-op-{i}") } else { format!("kvx-guest-{i}") };
+            // On an error the pool built so far is dropped, which stops its workers.
+            let h = std::thread::Builder::new().name(name).spawn(move || {
+                hook(i);
+                worker_loop(&worker_shared, i)
+            })?;
+            pool.threads.push(h.thread().clone());
+            pool.workers.push(h);
+        }
+        Ok(pool)
+    }
+
+    /// The width of a run: the pool's own threads (the caller included) plus the guests held
+    /// since the last [`borrow_idle`](Self::borrow_idle).
+    pub fn n_threads(&self) -> usize {
+        self.width.load(Ordering::Relaxed)
+    }
+
+    /// The widest a run can be: own threads and every guest.
+    pub fn max_threads(&self) -> usize {
+        self.shared.own + self.shared.leases.len()
+    }
+
+    /// Takes the leases of the guests' cores that are lent now (keeping those already held)
+    /// and returns the new width. Call it between runs, from the thread that runs them.
+    pub fn borrow_idle(&self) -> usize {
+        let s = &*self.shared;
+        let mut held = 0u64;
+        for (g, lease) in s.leases.iter().enumerate() {
+            if lease.try_hold(s.id) {
+                held |= 1 << (s.own + g);
             }
         }
-        Ok(ThreadPool { shared, dispatch: Mutex::new(()), workers })
+        self.held.store(held, Ordering::Relaxed);
+        let width = s.own + held.count_ones() as usize;
+        self.width.store(width, Ordering::Relaxed);
+        width
     }
 
-    /// Threads in the pool, the caller included.
-    pub fn n_threads(&self) -> usize {
-        self.shared.n_threads
+    /// Gives back every lease held (between runs): the width is the pool's own threads again.
+    pub fn return_borrowed(&self) {
+        let s = &*self.shared;
+        if self.held.swap(0, Ordering::Relaxed) != 0 {
+            for lease in &s.leases {
+                lease.give_back(s.id);
+            }
+        }
+        self.width.store(s.own, Ordering::Relaxed);
     }
 
-    /// Runs `job(i, n)` for every share `i` in `0..n` (`n` = the pool's threads) and waits
-    /// for all. A panic in any share is re-raised here after every share has finished.
+    /// Runs `job(i, n)` for every share `i` in `0..n` (`n` = [`n_threads`](Self::n_threads))
+    /// and waits for all. A panic in any share is re-raised here after every share has
+    /// finished.
     pub fn run(&self, job: &(dyn Fn(usize, usize) + Sync)) {
         let s = &*self.shared;
-        let n = s.n_threads;
+        let n = self.n_threads();
         if n == 1 {
             job(0, 1);
             return;
         }
         let _guard = self.dispatch.lock().unwrap_or_else(|p| p.into_inner());
+        // Own workers, and the guests held.
+        let own_mask = if s.own >= 64 { u64::MAX } else { (1u64 << s.own) - 1 };
+        let invited = (own_mask & !1) | self.held.load(Ordering::Relaxed);
         // SAFETY: erasing the lifetime is sound because this function does not return while
         // a worker may still use the reference (module docs).
         let erased: Job<'static> = unsafe { std::mem::transmute::<Job<'_>, Job<'static>>(job) };
         // SAFETY: `open` is clear and no worker is active (the previous run waited for that),
         // so nobody reads the cell while it is written.
         unsafe { *s.job.get() = Some(erased) };
-        s.claimed.store(0, Ordering::SeqCst);
+        s.n.store(n, Ordering::SeqCst);
+        s.invited.store(invited, Ordering::SeqCst);
+        s.next.store(0, Ordering::SeqCst);
         s.done.store(0, Ordering::SeqCst);
         s.open.store(true, Ordering::SeqCst);
         s.epoch.fetch_add(1, Ordering::SeqCst);
-        if s.sleepers.load(Ordering::SeqCst) > 0 {
-            let _g = s.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
-            s.wake.notify_all();
-        }
-        // Share 0, then every share no worker has claimed yet.
-        let mut panic = None;
-        for i in 0..n {
-            if s.claimed.fetch_or(1 << i, Ordering::SeqCst) & (1 << i) == 0 {
-                if let Err(p) = catch_unwind(AssertUnwindSafe(|| job(i, n))) {
-                    panic.get_or_insert(p);
-                }
-                s.done.fetch_add(1, Ordering::SeqCst);
+        for (i, t) in self.threads.iter().enumerate() {
+            let w = i + 1;
+            if invited & (1 << w) != 0 && s.sleeping[w].load(Ordering::SeqCst) {
+                t.unpark();
             }
         }
+        let panic = s.claim_shares(job, n);
         wait_for(|| s.done.load(Ordering::SeqCst) == n);
         s.open.store(false, Ordering::SeqCst);
         wait_for(|| s.active.load(Ordering::SeqCst) == 0);
@@ -181,6 +342,7 @@ fn wait_for(done: impl Fn() -> bool) {
 
 fn worker_loop(s: &Shared, index: usize) {
     let mut seen = 0u64;
+    let bit = 1u64 << index;
     loop {
         let start = Instant::now();
         let mut spins = 0u32;
@@ -194,30 +356,30 @@ fn worker_loop(s: &Shared, index: usize) {
                 break;
             }
             spins += 1;
-            if !spins.is_multiple_of(64) || start.elapsed() < SPIN {
+            // A guest spins only on a core its pool holds.
+            if !spins.is_multiple_of(64) || (start.elapsed() < SPIN && s.may_work(index)) {
                 std::hint::spin_loop();
                 continue;
             }
-            s.sleepers.fetch_add(1, Ordering::SeqCst);
-            let mut g = s.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
+            s.sleeping[index].store(true, Ordering::SeqCst);
             while s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
-                g = s.wake.wait(g).unwrap_or_else(|p| p.into_inner());
+                std::thread::park();
             }
-            drop(g);
-            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+            s.sleeping[index].store(false, Ordering::SeqCst);
         }
         s.active.fetch_add(1, Ordering::SeqCst);
-        let bit = 1u64 << index;
-        if s.open.load(Ordering::SeqCst) && s.claimed.fetch_or(bit, Ordering::SeqCst) & bit == 0 {
+        if s.open.load(Ordering::SeqCst)
+            && s.invited.load(Ordering::SeqCst) & bit != 0
+            && s.may_work(index)
+        {
             // SAFETY: this worker is active and saw `open` set afterwards, so the dispatcher
             // keeps the job alive until it leaves (module docs).
             let job = unsafe { *s.job.get() };
             if let Some(job) = job
-                && catch_unwind(AssertUnwindSafe(|| job(index, s.n_threads))).is_err()
+                && s.claim_shares(job, s.n.load(Ordering::SeqCst)).is_some()
             {
                 s.panicked.store(true, Ordering::Relaxed);
             }
-            s.done.fetch_add(1, Ordering::SeqCst);
         }
         s.active.fetch_sub(1, Ordering::SeqCst);
     }
@@ -226,13 +388,13 @@ fn worker_loop(s: &Shared, index: usize) {
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        {
-            let _g = self.shared.sleep_lock.lock().unwrap_or_else(|p| p.into_inner());
-            self.shared.wake.notify_all();
+        for t in &self.threads {
+            t.unpark();
         }
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+        self.return_borrowed();
     }
 }
 
@@ -318,6 +480,74 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 2);
+    }
+
+    /// Runs one two-share job on `pool` whose share 0 waits (up to `wait`) for share 1 to
+    /// start on another thread, and returns the name of the thread that ran share 1.
+    fn share_one_thread(pool: &ThreadPool, wait: Duration) -> String {
+        let started = AtomicBool::new(false);
+        let who = Mutex::new(String::new());
+        pool.run(&|i, n| {
+            assert_eq!(n, 2);
+            if i == 0 {
+                let t0 = Instant::now();
+                while !started.load(Ordering::SeqCst) && t0.elapsed() < wait {
+                    std::thread::yield_now();
+                }
+            } else {
+                started.store(true, Ordering::SeqCst);
+                *who.lock().unwrap() = std::thread::current().name().unwrap_or("").to_string();
+            }
+        });
+        who.into_inner().unwrap()
+    }
+
+    #[test]
+    fn a_guest_works_only_while_its_core_is_lent() {
+        let lease = CoreLease::new();
+        let pool = ThreadPool::with_guests(1, vec![lease.clone()], |_| {}).unwrap();
+        assert_eq!(pool.max_threads(), 2);
+        // The owner works on its core: one share, on the caller.
+        assert_eq!(pool.borrow_idle(), 1);
+        let count = AtomicU32::new(0);
+        pool.run(&|i, n| {
+            assert_eq!((i, n), (0, 1));
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 1);
+        // Lent: two shares, the second on the guest (the first waits for it).
+        lease.lend();
+        assert_eq!(pool.borrow_idle(), 2);
+        assert!(!lease.is_free(), "the pool holds the lease");
+        assert!(share_one_thread(&pool, Duration::from_secs(10)).starts_with("kvx-guest"));
+        // Reclaimed in the middle of a step: the width stays for the step's runs, but the
+        // guest takes no share; the caller computes both.
+        lease.reclaim();
+        let main = std::thread::current().name().unwrap_or("").to_string();
+        assert_eq!(share_one_thread(&pool, Duration::from_millis(200)), main);
+        pool.return_borrowed();
+        assert_eq!(pool.n_threads(), 1);
+        assert_eq!(pool.borrow_idle(), 1, "a reclaimed core is not borrowed again");
+    }
+
+    #[test]
+    fn a_lent_core_is_held_by_one_pool_at_a_time() {
+        let lease = CoreLease::new();
+        let a = ThreadPool::with_guests(1, vec![lease.clone()], |_| {}).unwrap();
+        let b = ThreadPool::with_guests(1, vec![lease.clone()], |_| {}).unwrap();
+        lease.lend();
+        assert_eq!(a.borrow_idle(), 2);
+        assert_eq!(b.borrow_idle(), 1, "held by the other pool");
+        assert_eq!(a.borrow_idle(), 2, "a pool keeps what it holds");
+        a.return_borrowed();
+        assert!(lease.is_free());
+        assert_eq!(b.borrow_idle(), 2);
+        assert!(share_one_thread(&b, Duration::from_secs(10)).starts_with("kvx-guest"));
+        // Lending again does not take the core from its borrower.
+        lease.lend();
+        assert_eq!(a.borrow_idle(), 1);
+        drop(b);
+        assert!(lease.is_free(), "a dropped pool gives its leases back");
     }
 
     #[test]

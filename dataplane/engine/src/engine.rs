@@ -117,21 +117,26 @@ impl ModelBackend {
         max_tokens: usize,
         max_ctx: usize,
     ) -> Self {
-        let scratch = Scratch::new(&model, max_tokens, max_ctx, pool.n_threads());
+        let scratch = Scratch::new(&model, max_tokens, max_ctx, pool.max_threads());
         ModelBackend { model, kernels, pool, kv, scratch }
     }
 }
 
 impl Backend for ModelBackend {
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
-        self.model.forward(
+        // The step runs on the cores idle shards lend now too (`kvx_kernels::par`); a share's
+        // bits do not depend on the thread that computes it.
+        self.pool.borrow_idle();
+        let r = self.model.forward(
             self.kernels,
             &self.pool,
             chunks,
             &mut self.kv,
             &mut self.scratch,
             logits,
-        )?;
+        );
+        self.pool.return_borrowed();
+        r?;
         Ok(())
     }
 

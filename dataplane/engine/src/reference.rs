@@ -38,20 +38,23 @@ impl ReferenceBackend {
         max_ctx: usize,
     ) -> Result<Self, EngineError> {
         let kv = RefKv::new(&model.cfg, n_blocks, block_size)?;
-        let scratch = RefScratch::new(&model, max_tokens, max_ctx, pool.n_threads());
+        let scratch = RefScratch::new(&model, max_tokens, max_ctx, pool.max_threads());
         Ok(ReferenceBackend { model, pool, kv, scratch })
     }
 }
 
 impl Backend for ReferenceBackend {
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
-        self.model.forward_reference(
+        self.pool.borrow_idle();
+        let r = self.model.forward_reference(
             &self.pool,
             chunks,
             &mut self.kv,
             &mut self.scratch,
             logits,
-        )?;
+        );
+        self.pool.return_borrowed();
+        r?;
         Ok(())
     }
 

@@ -18,7 +18,7 @@ use kvx_engine::{Backend, Engine, EngineConfig, EngineError, ModelBackend, Refer
 use kvx_kernels::cpu::Kernels;
 use kvx_kernels::gguf::GgufFile;
 use kvx_kernels::model::{Arith, KvCache, KvLayout, KvMemory, LlamaConfig, LlamaModel};
-use kvx_kernels::par::ThreadPool;
+use kvx_kernels::par::{CoreLease, ThreadPool};
 use kvx_proto::WorkerId;
 use kvx_proto::plane::WorkerRole;
 use kvx_tokenizer::Tokenizer;
@@ -31,6 +31,12 @@ use kvx_kvbm::{DiskConfig, PoolLayout, TierConfig, Tiers};
 /// Shard events of a process queued at most (a full queue drops KV events; the router sees
 /// the id gap and asks for a snapshot).
 pub const EVENT_QUEUE: usize = 1 << 16;
+
+/// Other shards' cores a shard's kernel pool may borrow at most ([`EngineSetup::lend_cores`]):
+/// a guest thread each, parked while its core is not lent. A lone stream's decode reads the
+/// weights once per token from memory the cores share, so more cores give it less and less
+/// (measured here on two cores only: kernels/PERF.md).
+pub const LEND_GUESTS: usize = 3;
 
 /// What computes tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,6 +162,10 @@ pub struct EngineSetup {
     /// Pin each shard thread (and its kernel threads) to cores of its own, when there are
     /// enough for all of them.
     pub pin: bool,
+    /// With pinned model shards: a shard with nothing to do lends its core to the others'
+    /// steps (each shard's kernel pool holds a guest thread on up to [`LEND_GUESTS`] other
+    /// shards' cores; `kvx_kernels::par`), so a lone request runs on the idle cores too.
+    pub lend_cores: bool,
     /// Commands queued per shard at most.
     pub inbox_capacity: usize,
     /// Mock engines' settings.
@@ -284,6 +294,7 @@ impl EngineSetup {
             threads_per_engine: 1,
             first_worker_id: 1,
             pin: false,
+            lend_cores: false,
             inbox_capacity: 4096,
             mocker: MockerSetup::default(),
             roles: Vec::new(),
@@ -639,7 +650,7 @@ impl Prepared {
                     .into(),
             ));
         }
-        self.make(worker_id, Vec::new(), None)
+        self.make(worker_id, Vec::new(), Vec::new(), None)
             .map_err(|source| SetupError::Engine { index: 0, source })
     }
 
@@ -669,10 +680,13 @@ impl Prepared {
     }
 
     /// The backend of one engine: the mocker, or the model in the setup's arithmetic, its
-    /// kernel threads pinned to `cores` when given, its cache in `kv_memory` when given.
+    /// kernel threads pinned to `cores` when given (its own, then one per guest), with a
+    /// guest thread for each lease in `guests` (the cores of other shards it may borrow),
+    /// its cache in `kv_memory` when given.
     fn make_backend(
         &self,
         cores: Vec<usize>,
+        guests: Vec<CoreLease>,
         kv_memory: Option<Box<dyn KvMemory>>,
     ) -> Result<Box<dyn Backend>, EngineError> {
         let model = match &self.backing {
@@ -683,7 +697,7 @@ impl Prepared {
         let pool = if cores.is_empty() {
             ThreadPool::new(threads)
         } else {
-            ThreadPool::with_start_hook(threads, move |i| {
+            ThreadPool::with_guests(threads, guests, move |i| {
                 if let Some(&c) = cores.get(i) {
                     shard::pin_current(c);
                 }
@@ -723,7 +737,7 @@ impl Prepared {
     /// One engine's backend on its own, for work that drives the model step by step without
     /// a scheduler (`kvx eval perplexity`).
     pub fn backend(&self) -> Result<Box<dyn Backend>, SetupError> {
-        self.make_backend(Vec::new(), None)
+        self.make_backend(Vec::new(), Vec::new(), None)
             .map_err(|source| SetupError::Engine { index: 0, source })
     }
 
@@ -731,18 +745,22 @@ impl Prepared {
         &self,
         worker_id: WorkerId,
         cores: Vec<usize>,
+        guests: Vec<CoreLease>,
         kv_memory: Option<Box<dyn KvMemory>>,
     ) -> Result<Engine, EngineError> {
         let cfg = EngineConfig { sched: self.sched.clone(), worker_id };
         let quarantine = self.setup.kv_link.timeout + Duration::from_secs(5);
-        let backend = self.make_backend(cores, kv_memory)?;
+        let backend = self.make_backend(cores, guests, kv_memory)?;
         let engine = Engine::new(cfg, backend, self.tokenizer.clone());
         Ok(engine.with_kv_quarantine(quarantine))
     }
 
     /// Starts every engine on its shard thread: shard `i` is worker `first_worker_id + i`;
-    /// when pinned, it runs on its own core and its kernel threads on the next ones. Prefill
-    /// and decode engines get their KV cache in a region of the process's transfer agent.
+    /// when pinned, it runs on its own core and its kernel threads on the next ones, and
+    /// with [`EngineSetup::lend_cores`] its kernel pool has a guest on the first core of up
+    /// to [`LEND_GUESTS`] other shards (the next ones, in turn), which those shards lend while
+    /// idle. Prefill and decode engines get their KV cache in a region of the process's
+    /// transfer agent.
     pub fn start(&self) -> Result<Started, SetupError> {
         let (tx, events): (SyncSender<ShardEvent>, _) = sync_channel(EVENT_QUEUE);
         let s = &self.setup;
@@ -763,14 +781,24 @@ impl Prepared {
         let tps = s.threads_per_engine;
         let cores = if s.pin { allowed_cores() } else { Vec::new() };
         let pin = s.pin && s.engines * tps <= cores.len();
+        let lend = pin && s.lend_cores && matches!(self.backing, Backing::Model(_));
+        let leases: Vec<CoreLease> = (0..s.engines).map(|_| CoreLease::new()).collect();
         let mut shards = Vec::with_capacity(s.engines);
         for i in 0..s.engines {
             let worker_id = s.first_worker_id + i as u64;
-            let mine: Vec<usize> = if pin {
+            let mut mine: Vec<usize> = if pin {
                 cores.iter().skip(i * tps).take(tps).copied().collect()
             } else {
                 Vec::new()
             };
+            // Guests on the next shards' first cores, each with that shard's lease.
+            let lenders: Vec<usize> = if lend {
+                (1..s.engines).map(|d| (i + d) % s.engines).take(LEND_GUESTS).collect()
+            } else {
+                Vec::new()
+            };
+            let guests: Vec<CoreLease> = lenders.iter().map(|&j| leases[j].clone()).collect();
+            mine.extend(lenders.iter().filter_map(|&j| cores.get(j * tps)));
             let core = mine.first().copied();
             let role = s.role(i);
             let engine_err = |source| SetupError::Engine { index: i, source };
@@ -792,9 +820,15 @@ impl Prepared {
             };
             let kv_peer = link.as_ref().and_then(|l| l.peer(worker_id));
             let me = self.clone();
-            let make = move || me.make(worker_id, mine, mem);
-            let cfg =
-                ShardConfig { index: i, core, inbox_capacity: s.inbox_capacity, kv: link, tiers };
+            let make = move || me.make(worker_id, mine, guests, mem);
+            let cfg = ShardConfig {
+                index: i,
+                core,
+                inbox_capacity: s.inbox_capacity,
+                kv: link,
+                tiers,
+                lease: lend.then(|| leases[i].clone()),
+            };
             let shard = shard::spawn(cfg, make, Some(tx.clone())).map_err(engine_err)?;
             shards.push(Hosted {
                 worker_id,

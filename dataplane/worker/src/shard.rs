@@ -27,6 +27,7 @@ use kvx_proto::{
 };
 
 use crate::kvlink::{KvLink, Pending};
+use kvx_kernels::par::CoreLease;
 use kvx_kvbm::{Action, TierEvent, Tiers};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -102,6 +103,9 @@ pub struct ShardConfig {
     pub kv: Option<Arc<KvLink>>,
     /// The KV tiers below the engine's pool.
     pub tiers: Option<Tiers>,
+    /// The lease of the shard's core, lent to other shards' kernel pools while the shard has
+    /// nothing to do ([`kvx_kernels::par::CoreLease`]).
+    pub lease: Option<CoreLease>,
 }
 
 /// Why a request could not be handed to a shard.
@@ -239,6 +243,7 @@ pub fn spawn(
     let core = cfg.core;
     let kv = cfg.kv.clone();
     let tiers = cfg.tiers;
+    let lease = cfg.lease;
     let thread = std::thread::Builder::new()
         .name(format!("kvx-shard-{}", cfg.index))
         .spawn(move || {
@@ -246,7 +251,7 @@ pub fn spawn(
                 pin_current(c);
             }
             match make_engine() {
-                Ok(engine) => run(engine, rx, st, events, kv, tiers, ready_tx),
+                Ok(engine) => run(engine, rx, st, events, kv, tiers, lease, ready_tx),
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                 }
@@ -291,6 +296,7 @@ struct Loop {
 
 /// The shard's loop; `ready` is told once the first status (the empty engine's load, under
 /// the engine's worker id) is published.
+#[allow(clippy::too_many_arguments)]
 fn run(
     engine: Engine,
     rx: Receiver<Command>,
@@ -298,6 +304,7 @@ fn run(
     events: Option<SyncSender<ShardEvent>>,
     kv: Option<Arc<KvLink>>,
     tiers: Option<Tiers>,
+    lease: Option<CoreLease>,
     ready: mpsc::SyncSender<Result<(), EngineError>>,
 ) {
     let worker_id = engine.config().worker_id;
@@ -341,8 +348,18 @@ fn run(
                 } else {
                     Duration::from_micros(500)
                 };
+                // Nothing to compute: other shards' steps may use this core until a command
+                // comes (a periodic wake-up to publish the status keeps it lent).
+                if let Some(lease) = &lease {
+                    lease.lend();
+                }
                 match rx.recv_timeout(wait) {
-                    Ok(c) => c,
+                    Ok(c) => {
+                        if let Some(lease) = &lease {
+                            lease.reclaim();
+                        }
+                        c
+                    }
                     Err(RecvTimeoutError::Timeout) => {
                         l.engine.release_expired();
                         l.poll_transfers();
@@ -395,6 +412,9 @@ fn run(
             continue;
         }
         if l.engine.has_work() {
+            if let Some(lease) = &lease {
+                lease.reclaim();
+            }
             l.step();
         }
         l.poll_transfers();

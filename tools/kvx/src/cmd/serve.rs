@@ -58,6 +58,10 @@ pub(crate) struct ServeArgs {
     /// Kernel threads per shard (default 1, or --threads).
     #[arg(long, env = "KVX_THREADS_PER_SHARD")]
     threads_per_shard: Option<usize>,
+    /// Keep each shard's steps on its own cores: by default a shard with nothing to do
+    /// lends its core to the others' steps (a lone request runs on the idle cores too).
+    #[arg(long, env = "KVX_NO_LEND_CORES", value_parser = clap::builder::FalseyValueParser::new())]
+    no_lend_cores: bool,
     /// What computes tokens.
     #[arg(long, value_enum, env = "KVX_ENGINE", default_value = "model")]
     engine: EngineArg,
@@ -95,6 +99,7 @@ pub(crate) fn run(args: ServeArgs, rt: &Runtime) -> Result<()> {
     }
     setup.threads_per_engine = args.threads_per_shard.or(args.opts.threads).unwrap_or(1).max(1);
     setup.pin = true;
+    setup.lend_cores = !args.no_lend_cores;
     setup.prefault_kv = true;
     setup.mocker.speedup = args.speedup_ratio;
     setup.mocker.blocks = args.mocker_blocks;

@@ -95,6 +95,10 @@ pub(crate) struct WorkerArgs {
     /// Kernel threads per engine (model engine).
     #[arg(long, env = "KVX_THREADS_PER_SHARD", default_value_t = 1)]
     threads_per_shard: usize,
+    /// Keep each engine's steps on its own cores: by default an engine with nothing to do
+    /// lends its core to the others' steps.
+    #[arg(long, env = "KVX_NO_LEND_CORES", value_parser = clap::builder::FalseyValueParser::new())]
+    no_lend_cores: bool,
     /// Worker id of the first engine (the others follow); default: random.
     #[arg(long, env = "KVX_WORKER_ID")]
     worker_id: Option<u64>,
@@ -152,6 +156,7 @@ pub(crate) fn run(args: WorkerArgs, rt: &Runtime) -> Result<()> {
     setup.threads_per_engine = args.threads_per_shard.max(1);
     setup.first_worker_id = args.worker_id.unwrap_or_else(random_base);
     setup.pin = true;
+    setup.lend_cores = !args.no_lend_cores;
     setup.prefault_kv = true;
     let role = match args.role {
         RoleArg::Agg => WorkerRole::Agg,
