@@ -22,12 +22,13 @@
 //! caller's. Guests whose lease is not held are not woken.
 //!
 //! # Safety
-//! The job reference is lifetime-erased while workers may use it. A worker reads and calls it
-//! only between incrementing `active` and decrementing it again, and only when it saw `open`
-//! set after that increment. `run` clears `open` once every share is done and then waits for
-//! `active` to reach zero before returning (also when a job panics), so no worker uses the
-//! reference after `run` returns. The job cell is written only while `open` is clear and no
-//! worker is active.
+//! The job reference is lifetime-erased while workers may use it. A worker reads the job cell
+//! and calls the job only between incrementing `active` and decrementing it again, and only
+//! when it saw `open` set after that increment. `run` writes the cell while `open` is clear
+//! (a worker may be active then, having woken for an earlier run, but it finds `open` clear
+//! and leaves without reading the cell), sets `open` after the write, clears it once every
+//! share is done and then waits for `active` to reach zero before returning (also when a job
+//! panics), so no worker uses the reference after `run` returns.
 
 use std::cell::UnsafeCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -71,8 +72,8 @@ impl CoreLease {
         let _ = self.0.compare_exchange(BUSY, FREE, Ordering::SeqCst, Ordering::SeqCst);
     }
 
-    /// The owner needs its core: the borrower's guest stops taking shares (it finishes the
-    /// one it is computing).
+    /// The owner needs its core: the borrower's guest takes no further share (it finishes
+    /// the one it is computing) and is not woken for the borrower's later runs.
     pub fn reclaim(&self) {
         self.0.store(BUSY, Ordering::SeqCst);
     }
@@ -136,10 +137,19 @@ impl Shared {
         index < self.own || self.leases.get(index - self.own).is_some_and(|l| l.held_by(self.id))
     }
 
-    /// Claims and runs shares of the current run until none is left.
-    fn claim_shares(&self, job: Job<'_>, n: usize) -> Option<Box<dyn std::any::Any + Send>> {
+    /// Claims and runs shares of the current run until none is left, as worker `index` (0:
+    /// the caller); a guest stops claiming once its core is reclaimed.
+    fn claim_shares(
+        &self,
+        job: Job<'_>,
+        n: usize,
+        index: usize,
+    ) -> Option<Box<dyn std::any::Any + Send>> {
         let mut panic = None;
         loop {
+            if !self.may_work(index) {
+                return panic;
+            }
             let k = self.next.fetch_add(1, Ordering::SeqCst);
             if k >= n {
                 return panic;
@@ -291,14 +301,24 @@ impl ThreadPool {
             return;
         }
         let _guard = self.dispatch.lock().unwrap_or_else(|p| p.into_inner());
-        // Own workers, and the guests held.
+        // Own workers, and the guests whose lease is still held (an owner may have reclaimed
+        // its core in the middle of the step: its guest is not woken).
         let own_mask = if s.own >= 64 { u64::MAX } else { (1u64 << s.own) - 1 };
-        let invited = (own_mask & !1) | self.held.load(Ordering::Relaxed);
+        let mut invited = own_mask & !1;
+        let held = self.held.load(Ordering::Relaxed);
+        if held != 0 {
+            for (g, lease) in s.leases.iter().enumerate() {
+                let bit = 1u64 << (s.own + g);
+                if held & bit != 0 && lease.held_by(s.id) {
+                    invited |= bit;
+                }
+            }
+        }
         // SAFETY: erasing the lifetime is sound because this function does not return while
         // a worker may still use the reference (module docs).
         let erased: Job<'static> = unsafe { std::mem::transmute::<Job<'_>, Job<'static>>(job) };
-        // SAFETY: `open` is clear and no worker is active (the previous run waited for that),
-        // so nobody reads the cell while it is written.
+        // SAFETY: `open` is clear (the previous run cleared it and waited for its workers to
+        // leave), so no worker reads the cell while it is written (module docs).
         unsafe { *s.job.get() = Some(erased) };
         s.n.store(n, Ordering::SeqCst);
         s.invited.store(invited, Ordering::SeqCst);
@@ -312,16 +332,17 @@ impl ThreadPool {
                 t.unpark();
             }
         }
-        let panic = s.claim_shares(job, n);
+        let panic = s.claim_shares(job, n, 0);
         wait_for(|| s.done.load(Ordering::SeqCst) == n);
         s.open.store(false, Ordering::SeqCst);
         wait_for(|| s.active.load(Ordering::SeqCst) == 0);
         // SAFETY: `open` is clear and no worker is active.
         unsafe { *s.job.get() = None };
+        let worker_panicked = s.panicked.swap(false, Ordering::Relaxed);
         if let Some(p) = panic {
             std::panic::resume_unwind(p);
         }
-        if s.panicked.swap(false, Ordering::Relaxed) {
+        if worker_panicked {
             panic!("a kernel thread panicked");
         }
     }
@@ -376,7 +397,7 @@ fn worker_loop(s: &Shared, index: usize) {
             // keeps the job alive until it leaves (module docs).
             let job = unsafe { *s.job.get() };
             if let Some(job) = job
-                && s.claim_shares(job, s.n.load(Ordering::SeqCst)).is_some()
+                && s.claim_shares(job, s.n.load(Ordering::SeqCst), index).is_some()
             {
                 s.panicked.store(true, Ordering::Relaxed);
             }
@@ -482,24 +503,25 @@ mod tests {
         assert_eq!(count.load(Ordering::Relaxed), 2);
     }
 
-    /// Runs one two-share job on `pool` whose share 0 waits (up to `wait`) for share 1 to
-    /// start on another thread, and returns the name of the thread that ran share 1.
-    fn share_one_thread(pool: &ThreadPool, wait: Duration) -> String {
-        let started = AtomicBool::new(false);
-        let who = Mutex::new(String::new());
+    /// Runs one two-share job on `pool` whose shares each wait (up to `wait`) for the other
+    /// to start, and returns the names of the threads that ran them.
+    fn share_threads(pool: &ThreadPool, wait: Duration) -> [String; 2] {
+        let started = [AtomicBool::new(false), AtomicBool::new(false)];
+        let who = [Mutex::new(String::new()), Mutex::new(String::new())];
         pool.run(&|i, n| {
             assert_eq!(n, 2);
-            if i == 0 {
-                let t0 = Instant::now();
-                while !started.load(Ordering::SeqCst) && t0.elapsed() < wait {
-                    std::thread::yield_now();
-                }
-            } else {
-                started.store(true, Ordering::SeqCst);
-                *who.lock().unwrap() = std::thread::current().name().unwrap_or("").to_string();
+            *who[i].lock().unwrap() = std::thread::current().name().unwrap_or("").to_string();
+            started[i].store(true, Ordering::SeqCst);
+            let t0 = Instant::now();
+            while !started[1 - i].load(Ordering::SeqCst) && t0.elapsed() < wait {
+                std::thread::yield_now();
             }
         });
-        who.into_inner().unwrap()
+        who.map(|w| w.into_inner().unwrap())
+    }
+
+    fn guest_took_part(names: &[String; 2]) -> bool {
+        names.iter().any(|n| n.starts_with("kvx-guest"))
     }
 
     #[test]
@@ -519,12 +541,12 @@ mod tests {
         lease.lend();
         assert_eq!(pool.borrow_idle(), 2);
         assert!(!lease.is_free(), "the pool holds the lease");
-        assert!(share_one_thread(&pool, Duration::from_secs(10)).starts_with("kvx-guest"));
+        assert!(guest_took_part(&share_threads(&pool, Duration::from_secs(10))));
         // Reclaimed in the middle of a step: the width stays for the step's runs, but the
         // guest takes no share; the caller computes both.
         lease.reclaim();
         let main = std::thread::current().name().unwrap_or("").to_string();
-        assert_eq!(share_one_thread(&pool, Duration::from_millis(200)), main);
+        assert_eq!(share_threads(&pool, Duration::from_millis(200)), [main.clone(), main]);
         pool.return_borrowed();
         assert_eq!(pool.n_threads(), 1);
         assert_eq!(pool.borrow_idle(), 1, "a reclaimed core is not borrowed again");
@@ -542,7 +564,7 @@ mod tests {
         a.return_borrowed();
         assert!(lease.is_free());
         assert_eq!(b.borrow_idle(), 2);
-        assert!(share_one_thread(&b, Duration::from_secs(10)).starts_with("kvx-guest"));
+        assert!(guest_took_part(&share_threads(&b, Duration::from_secs(10))));
         // Lending again does not take the core from its borrower.
         lease.lend();
         assert_eq!(a.borrow_idle(), 1);

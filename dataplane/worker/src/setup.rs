@@ -797,8 +797,11 @@ impl Prepared {
             } else {
                 Vec::new()
             };
-            let guests: Vec<CoreLease> = lenders.iter().map(|&j| leases[j].clone()).collect();
-            mine.extend(lenders.iter().filter_map(|&j| cores.get(j * tps)));
+            let (guest_cores, guests): (Vec<usize>, Vec<CoreLease>) = lenders
+                .iter()
+                .filter_map(|&j| Some((*cores.get(j * tps)?, leases.get(j)?.clone())))
+                .unzip();
+            mine.extend(guest_cores);
             let core = mine.first().copied();
             let role = s.role(i);
             let engine_err = |source| SetupError::Engine { index: i, source };

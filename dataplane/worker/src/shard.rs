@@ -348,18 +348,13 @@ fn run(
                 } else {
                     Duration::from_micros(500)
                 };
-                // Nothing to compute: other shards' steps may use this core until a command
-                // comes (a periodic wake-up to publish the status keeps it lent).
+                // Nothing to compute: other shards' steps may use this core until this shard
+                // has a step to run (commands, polls and status in between are light work).
                 if let Some(lease) = &lease {
                     lease.lend();
                 }
                 match rx.recv_timeout(wait) {
-                    Ok(c) => {
-                        if let Some(lease) = &lease {
-                            lease.reclaim();
-                        }
-                        c
-                    }
+                    Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => {
                         l.engine.release_expired();
                         l.poll_transfers();
