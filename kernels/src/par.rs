@@ -18,8 +18,9 @@
 //! [`ThreadPool::return_borrowed`] (after the step) gives them back. The width changes only
 //! there, so every run of a step splits its work the same way, and a share's bits do not
 //! depend on which thread computes it. A guest takes shares only while its pool holds its
-//! lease: on a reclaimed core it neither spins nor claims, and the shares it leaves are the
-//! caller's. Guests whose lease is not held are not woken.
+//! lease: on a reclaimed core it does not spin, it is not woken for later runs, and it claims
+//! at most one more share (one whose claim was under way), so the shares it leaves are the
+//! caller's.
 //!
 //! # Safety
 //! The job reference is lifetime-erased while workers may use it. A worker reads the job cell
@@ -72,8 +73,9 @@ impl CoreLease {
         let _ = self.0.compare_exchange(BUSY, FREE, Ordering::SeqCst, Ordering::SeqCst);
     }
 
-    /// The owner needs its core: the borrower's guest takes no further share (it finishes
-    /// the one it is computing) and is not woken for the borrower's later runs.
+    /// The owner needs its core: the borrower's guest finishes the share it is computing,
+    /// claims at most one more (one whose claim was under way) and is not woken for the
+    /// borrower's later runs.
     pub fn reclaim(&self) {
         self.0.store(BUSY, Ordering::SeqCst);
     }
@@ -126,8 +128,8 @@ struct Shared {
     panicked: AtomicBool,
 }
 
-// SAFETY: `job` is written only by the dispatcher while `open` is clear and no worker is
-// active, and read by workers only while active with `open` seen set; see the module docs.
+// SAFETY: `job` is written only by the dispatcher while `open` is clear, and read by workers
+// only while active with `open` seen set after their increment; see the module docs.
 unsafe impl Sync for Shared {}
 
 impl Shared {
@@ -336,7 +338,8 @@ impl ThreadPool {
         wait_for(|| s.done.load(Ordering::SeqCst) == n);
         s.open.store(false, Ordering::SeqCst);
         wait_for(|| s.active.load(Ordering::SeqCst) == 0);
-        // SAFETY: `open` is clear and no worker is active.
+        // SAFETY: `open` is clear and every worker that saw it set has left (a worker active
+        // from now on finds it clear and does not read the cell).
         unsafe { *s.job.get() = None };
         let worker_panicked = s.panicked.swap(false, Ordering::Relaxed);
         if let Some(p) = panic {
@@ -570,6 +573,32 @@ mod tests {
         assert_eq!(a.borrow_idle(), 1);
         drop(b);
         assert!(lease.is_free(), "a dropped pool gives its leases back");
+    }
+
+    #[test]
+    fn a_run_after_panics_in_the_caller_and_a_worker_succeeds() {
+        let pool = ThreadPool::new(2).unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            // Each share waits for the other to start, so the caller and the worker each
+            // panic in one.
+            let started = [AtomicBool::new(false), AtomicBool::new(false)];
+            pool.run(&|i, _| {
+                started[i].store(true, Ordering::SeqCst);
+                let t0 = Instant::now();
+                while !started[1 - i].load(Ordering::SeqCst)
+                    && t0.elapsed() < Duration::from_secs(10)
+                {
+                    std::thread::yield_now();
+                }
+                panic!("share {i}");
+            })
+        }));
+        assert!(r.is_err());
+        let count = AtomicU32::new(0);
+        pool.run(&|_, _| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 2, "the next run is not taken for a panic");
     }
 
     #[test]

@@ -349,7 +349,8 @@ fn run(
                     Duration::from_micros(500)
                 };
                 // Nothing to compute: other shards' steps may use this core until this shard
-                // has a step to run (commands, polls and status in between are light work).
+                // has a step to run. What it does in between (commands — an admission may
+                // compile a grammar —, polls, the status) shares the core with their guest.
                 if let Some(lease) = &lease {
                     lease.lend();
                 }
