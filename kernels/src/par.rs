@@ -15,7 +15,8 @@
 //! it has nothing to do and reclaims it when work arrives. [`ThreadPool::borrow_idle`] (the
 //! pool's owner calls it before a step) takes the leases of the cores lent at that moment and
 //! sets the width to the pool's own threads plus the guests it holds;
-//! [`ThreadPool::return_borrowed`] (after the step) gives them back. The width changes only
+//! [`ThreadPool::return_borrowed`] (after the step) gives them back; [`ThreadPool::borrowing`]
+//! wraps a step in both (the backends' `forward`). The width changes only
 //! there, so every run of a step splits its work the same way, and a share's bits do not
 //! depend on which thread computes it. A guest takes shares only while its pool holds its
 //! lease: on a reclaimed core it does not spin, it is not woken for later runs, and it claims
@@ -171,9 +172,7 @@ pub struct ThreadPool {
     workers: Vec<JoinHandle<()>>,
     /// Worker `i`'s thread is `threads[i - 1]`.
     threads: Vec<Thread>,
-    /// Shares of a run: the own threads plus the guests held.
-    width: AtomicUsize,
-    /// Bit `i`: guest worker `i` is held.
+    /// Bit `i`: guest worker `i` is held (the width is the own threads plus these).
     held: AtomicU64,
 }
 
@@ -236,7 +235,6 @@ impl ThreadPool {
             dispatch: Mutex::new(()),
             workers: Vec::with_capacity(total - 1),
             threads: Vec::with_capacity(total - 1),
-            width: AtomicUsize::new(own),
             held: AtomicU64::new(0),
         };
         for i in 1..total {
@@ -257,7 +255,7 @@ impl ThreadPool {
     /// The width of a run: the pool's own threads (the caller included) plus the guests held
     /// since the last [`borrow_idle`](Self::borrow_idle).
     pub fn n_threads(&self) -> usize {
-        self.width.load(Ordering::Relaxed)
+        self.shared.own + self.held.load(Ordering::Relaxed).count_ones() as usize
     }
 
     /// The widest a run can be: own threads and every guest.
@@ -276,9 +274,7 @@ impl ThreadPool {
             }
         }
         self.held.store(held, Ordering::Relaxed);
-        let width = s.own + held.count_ones() as usize;
-        self.width.store(width, Ordering::Relaxed);
-        width
+        self.n_threads()
     }
 
     /// Gives back every lease held (between runs): the width is the pool's own threads again.
@@ -289,7 +285,20 @@ impl ThreadPool {
                 lease.give_back(s.id);
             }
         }
-        self.width.store(s.own, Ordering::Relaxed);
+    }
+
+    /// `f()` with the cores lent now borrowed ([`borrow_idle`](Self::borrow_idle)), given
+    /// back when it returns or unwinds: one step's runs.
+    pub fn borrowing<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Back<'a>(&'a ThreadPool);
+        impl Drop for Back<'_> {
+            fn drop(&mut self) {
+                self.0.return_borrowed();
+            }
+        }
+        self.borrow_idle();
+        let _back = Back(self);
+        f()
     }
 
     /// Runs `job(i, n)` for every share `i` in `0..n` (`n` = [`n_threads`](Self::n_threads))

@@ -126,17 +126,8 @@ impl Backend for ModelBackend {
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
         // The step runs on the cores idle shards lend now too (`kvx_kernels::par`); a share's
         // bits do not depend on the thread that computes it.
-        self.pool.borrow_idle();
-        let r = self.model.forward(
-            self.kernels,
-            &self.pool,
-            chunks,
-            &mut self.kv,
-            &mut self.scratch,
-            logits,
-        );
-        self.pool.return_borrowed();
-        r?;
+        let Self { model, kernels, pool, kv, scratch } = self;
+        pool.borrowing(|| model.forward(kernels, pool, chunks, kv, scratch, logits))?;
         Ok(())
     }
 

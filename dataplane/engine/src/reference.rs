@@ -45,16 +45,8 @@ impl ReferenceBackend {
 
 impl Backend for ReferenceBackend {
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
-        self.pool.borrow_idle();
-        let r = self.model.forward_reference(
-            &self.pool,
-            chunks,
-            &mut self.kv,
-            &mut self.scratch,
-            logits,
-        );
-        self.pool.return_borrowed();
-        r?;
+        let Self { model, pool, kv, scratch } = self;
+        pool.borrowing(|| model.forward_reference(pool, chunks, kv, scratch, logits))?;
         Ok(())
     }
 
