@@ -121,6 +121,11 @@ pub struct Sampler {
     probs: Vec<f32>,
     counts: Vec<u32>,
     touched: Vec<u32>,
+    /// Per token, its band of tempered distance to the best ([`BANDS`]: probability 0).
+    band: Vec<u16>,
+    /// Per band, the probability mass of its tokens (entry [`BANDS`] collects the tokens
+    /// of probability 0; the rest are spare).
+    band_mass: Vec<f64>,
 }
 
 impl Sampler {
@@ -131,6 +136,8 @@ impl Sampler {
             probs: Vec::with_capacity(n_vocab),
             counts: vec![0; n_vocab],
             touched: Vec::with_capacity(n_vocab),
+            band: Vec::with_capacity(n_vocab),
+            band_mass: vec![0.0; MASS_SLOTS],
         }
     }
 
@@ -302,11 +309,11 @@ impl Sampler {
         walk(&self.probs, r).unwrap_or(best)
     }
 
-    /// Top-p over the whole vocabulary (`self.probs`). The nucleus is a prefix of the tokens
-    /// ranked by probability, so any set {p ≥ τ} holding at least `top_p` of the mass holds
-    /// it whole: only that set is ranked. τ = 1e-3 keeps at most a thousand tokens; when
-    /// those hold less than `top_p`, τ = (1 − top_p) / V always qualifies (what lies below
-    /// it weighs at most V·τ).
+    /// Top-p over the whole vocabulary (`self.probs`): the nucleus is the shortest prefix of
+    /// the tokens ranked by logit (ties by id) whose probability reaches `top_p`, cut further
+    /// by min-p (also a prefix). Where the tokens of probability ≥ 1e-3 (at most a thousand)
+    /// hold `top_p`, only they are ranked; otherwise (a flat distribution, whose nucleus can
+    /// hold tens of thousands of tokens) see [`Sampler::draw_from_bands`].
     fn draw_from_nucleus(
         &mut self,
         params: &SamplingParams,
@@ -314,35 +321,36 @@ impl Sampler {
         logits: &[f32],
         best: u32,
     ) -> u32 {
-        let probs = &self.probs;
-        let mass = |tau: f32| -> f64 {
-            probs.iter().map(|&p| if p >= tau { f64::from(p) } else { 0.0 }).sum()
-        };
+        if params.min_p > 0.0 {
+            let floor = params.min_p * self.probs[best as usize];
+            for p in self.probs.iter_mut() {
+                *p = if *p < floor { 0.0 } else { *p };
+            }
+        }
+        let top_p = f64::from(params.top_p);
         let coarse = 1e-3f32;
-        let tau = if mass(coarse) >= f64::from(params.top_p) {
-            coarse
-        } else {
-            (1.0 - params.top_p) / logits.len() as f32
-        };
+        if self.probs.chunks(WALK).map(|c| chunk_sum_from(c, coarse)).sum::<f64>() < top_p {
+            return self.draw_from_bands(state, logits, best, 1.0 / params.temperature, top_p);
+        }
+        let probs = &self.probs;
         self.idx.clear();
-        self.idx.extend((0..logits.len() as u32).filter(|&i| probs[i as usize] >= tau));
+        self.idx.extend((0..logits.len() as u32).filter(|&i| probs[i as usize] >= coarse));
         if self.idx.is_empty() {
             return best;
         }
         self.idx.sort_unstable_by(|&a, &b| {
             logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
         });
-        let floor = params.min_p * probs[best as usize];
-        let mut keep = self.idx.iter().take_while(|&&i| probs[i as usize] >= floor).count();
+        let mut keep = self.idx.len();
         let mut acc = 0.0f64;
-        for (n, &i) in self.idx[..keep].iter().enumerate() {
+        for (n, &i) in self.idx.iter().enumerate() {
             acc += f64::from(probs[i as usize]);
-            if acc >= f64::from(params.top_p) {
+            if acc >= top_p {
                 keep = n + 1;
                 break;
             }
         }
-        let kept = &self.idx[..keep.max(1).min(self.idx.len())];
+        let kept = &self.idx[..keep];
         let total: f64 = kept.iter().map(|&i| f64::from(probs[i as usize])).sum();
         let mut r = state.rng.random::<f64>() * total;
         for &i in kept {
@@ -352,6 +360,108 @@ impl Sampler {
             }
         }
         kept[kept.len() - 1]
+    }
+
+    /// The nucleus of a flat distribution without ranking it: each token with a probability
+    /// goes to one of [`BANDS`] bands of its tempered distance to the best logit (a band
+    /// never holds a higher logit than an earlier band), and the bands' masses, summed from
+    /// the best, find the band where `top_p` is reached. Only that band's tokens are ranked
+    /// (a few dozen to a few hundred) for the exact cut. The draw picks a band by mass, then
+    /// a token in id order within it: the same distribution as a walk in rank order.
+    /// The nucleus of [`Sampler::draw_from_bands`]: `self.band` and `self.band_mass` filled,
+    /// bands `..cut` kept whole, and `self.idx` the kept tokens of band `cut`, ranked.
+    fn band_cut(&mut self, logits: &[f32], best: u32, inv_t: f32, top_p: f64) -> BandCut {
+        let lmax = logits[best as usize];
+        let scale = BANDS as f32 * inv_t / NEGLIGIBLE;
+        self.band.clear();
+        let last = (BANDS - 1) as f32;
+        self.band.extend(logits.iter().zip(&self.probs).map(|(&l, &p)| {
+            // Monotone in `l`: a rounded difference, a positive factor, a clamp, and a
+            // rounding to the nearest integer (adding 2^23 leaves it in the low bits).
+            let d = ((lmax - l) * scale).min(last);
+            let band = ((d + 8_388_608.0).to_bits() & 0x1fff) as u16;
+            if p > 0.0 { band } else { BANDS as u16 }
+        }));
+        self.band_mass.fill(0.0);
+        if let Ok(mass) = <&mut [f64; MASS_SLOTS]>::try_from(&mut self.band_mass[..]) {
+            // A band is at most `BANDS` < `MASS_SLOTS`: the mask only spares the bounds check.
+            for (&b, &p) in self.band.iter().zip(&self.probs) {
+                mass[usize::from(b) & (MASS_SLOTS - 1)] += f64::from(p);
+            }
+        }
+        // Bands `..cut` are kept whole, the first `part` ranked tokens of band `cut` too.
+        let mut cum = 0.0f64;
+        let mut cut = BANDS;
+        for (b, &m) in self.band_mass[..BANDS].iter().enumerate() {
+            if cum + m >= top_p {
+                cut = b;
+                break;
+            }
+            cum += m;
+        }
+        self.idx.clear();
+        let mut part_mass = 0.0f64;
+        if cut < BANDS {
+            let band = &self.band;
+            self.idx.extend((0..logits.len() as u32).filter(|&i| band[i as usize] == cut as u16));
+            self.idx.sort_unstable_by(|&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+            });
+            let mut keep = self.idx.len();
+            for (n, &i) in self.idx.iter().enumerate() {
+                part_mass += f64::from(self.probs[i as usize]);
+                if cum + part_mass >= top_p {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            self.idx.truncate(keep);
+        }
+        BandCut { cut, whole: cum, part: part_mass }
+    }
+
+    fn draw_from_bands(
+        &mut self,
+        state: &mut SamplerState,
+        logits: &[f32],
+        best: u32,
+        inv_t: f32,
+        top_p: f64,
+    ) -> u32 {
+        let BandCut { cut, whole: cum, part: part_mass } =
+            self.band_cut(logits, best, inv_t, top_p);
+        let mut r = state.rng.random::<f64>() * (cum + part_mass);
+        if r >= cum {
+            // In the cut band's ranked part.
+            r -= cum;
+            for &i in &self.idx {
+                r -= f64::from(self.probs[i as usize]);
+                if r <= 0.0 {
+                    return i;
+                }
+            }
+            return self.idx.last().copied().unwrap_or(best);
+        }
+        let Some(b) = self.band_mass[..cut].iter().position(|&m| {
+            r -= m;
+            r < 0.0
+        }) else {
+            // Rounding left `r` past the whole bands: the ranked part's first token, or the
+            // best.
+            return self.idx.first().copied().unwrap_or(best);
+        };
+        r += self.band_mass[b];
+        let mut last = best;
+        for (i, (&band, &p)) in self.band.iter().zip(&self.probs).enumerate() {
+            if band == b as u16 {
+                last = i as u32;
+                r -= f64::from(p);
+                if r < 0.0 {
+                    return last;
+                }
+            }
+        }
+        last
     }
 
     /// The `n` most likely tokens with their log-probabilities (for `top_logprobs`),
@@ -409,6 +519,21 @@ const NEGLIGIBLE: f32 = 70.0;
 /// Probabilities a draw skips at a time by their sum.
 const WALK: usize = 64;
 
+/// A flat distribution's nucleus: bands `..cut` whole (`whole`: their mass), and the ranked
+/// tokens of band `cut` that `Sampler::band_cut` left in its `idx` (`part`: their mass).
+struct BandCut {
+    cut: usize,
+    whole: f64,
+    part: f64,
+}
+
+/// Bands of tempered distance to the best logit that a flat distribution's top-p cut sorts
+/// its tokens into: [`NEGLIGIBLE`] nats in 4,096 bands of 0.017 nats.
+const BANDS: usize = 4096;
+
+/// Entries of the bands' mass array: a power of two above [`BANDS`].
+const MASS_SLOTS: usize = 2 * BANDS;
+
 /// The sum of a chunk of probabilities: 16 lanes of f32 (the compiler vectorizes them), added
 /// up in f64.
 fn chunk_sum(c: &[f32]) -> f64 {
@@ -418,6 +543,19 @@ fn chunk_sum(c: &[f32]) -> f64 {
     for part in parts {
         for (a, &p) in lanes.iter_mut().zip(part) {
             *a += p;
+        }
+    }
+    lanes.iter().map(|&a| f64::from(a)).sum::<f64>() + tail
+}
+
+/// The sum of a chunk's probabilities of at least `tau`, as [`chunk_sum`] adds them.
+fn chunk_sum_from(c: &[f32], tau: f32) -> f64 {
+    let mut lanes = [0.0f32; 16];
+    let parts = c.chunks_exact(16);
+    let tail: f64 = parts.remainder().iter().filter(|&&p| p >= tau).map(|&p| f64::from(p)).sum();
+    for part in parts {
+        for (a, &p) in lanes.iter_mut().zip(part) {
+            *a += if p >= tau { p } else { 0.0 };
         }
     }
     lanes.iter().map(|&a| f64::from(a)).sum::<f64>() + tail
@@ -672,6 +810,65 @@ mod tests {
             let freq =
                 draws.iter().filter(|&&x| x as usize == t).count() as f64 / draws.len() as f64;
             assert!((freq - w[t] / zn).abs() < 0.03, "token {t}: {freq} vs {}", w[t] / zn);
+        }
+    }
+
+    #[test]
+    fn a_flat_nucleus_cut_by_bands_is_the_shortest_ranked_prefix() {
+        // Flat distributions, whose nucleus holds tokens below 1e-3 (the banded cut), on a
+        // grid of 1/64 so that many logits tie, one with min-p: the kept set is the
+        // shortest prefix of the tokens ranked by logit (ties by id) whose probability
+        // reaches top-p, found here by sorting everything; every draw lies in it.
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let n = 20_000;
+        let cases = [
+            (0.8f32, 0.95f32, 0.0f32, 2.0f32),
+            (1.0, 0.5, 0.0, 1.0),
+            (1.3, 0.9, 0.05, 3.0),
+            (0.7, 0.99, 0.0, 0.5),
+            (2.0, 0.3, 0.0, 8.0),
+        ];
+        for (case, (temp, top_p, min_p, spread)) in cases.into_iter().enumerate() {
+            let logits: Vec<f32> =
+                (0..n).map(|_| (rng.random::<f32>() * spread * 64.0).round() / 64.0).collect();
+            let p = SamplingParams {
+                temperature: temp,
+                top_p,
+                min_p,
+                seed: Some(case as u64),
+                ..Default::default()
+            };
+            let mut s = Sampler::new(n);
+            let mut st = SamplerState::new(&p, 0);
+            let first = s.sample(&p, &mut st, &logits, false).token;
+            let probs = s.probs.clone();
+            let coarse: f64 =
+                probs.iter().filter(|&&q| q >= 1e-3).map(|&q| f64::from(q)).sum::<f64>();
+            assert!(coarse < f64::from(top_p), "case {case}: the ranked path would serve it");
+            let mut order: Vec<usize> = (0..n).filter(|&i| probs[i] > 0.0).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            let mut acc = 0.0f64;
+            let mut expected = vec![false; n];
+            for &i in &order {
+                expected[i] = true;
+                acc += f64::from(probs[i]);
+                if acc >= f64::from(top_p) {
+                    break;
+                }
+            }
+            let best = argmax(&logits).0;
+            let cut = s.band_cut(&logits, best, 1.0 / temp, f64::from(top_p));
+            let mut kept: Vec<bool> = s.band.iter().map(|&b| usize::from(b) < cut.cut).collect();
+            for &i in &s.idx {
+                kept[i as usize] = true;
+            }
+            let differ = (0..n).filter(|&i| kept[i] != expected[i]).count();
+            assert_eq!(differ, 0, "case {case}: {differ} tokens differ from the ranked nucleus");
+            assert!(expected[first as usize], "case {case}");
+            for _ in 0..300 {
+                let t = s.sample(&p, &mut st, &logits, false).token;
+                assert!(expected[t as usize], "case {case}: {t} drawn outside the nucleus");
+            }
         }
     }
 
