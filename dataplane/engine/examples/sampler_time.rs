@@ -19,8 +19,11 @@ fn main() {
                 z as f32 * sigma
             })
             .collect();
-        for (temperature, top_p) in [(0.8f32, 0.95f32), (0.8, 1.0), (1.0, 0.9)] {
-            let params = SamplingParams { temperature, top_p, seed: Some(1), ..Default::default() };
+        for (temperature, top_p, top_k) in
+            [(0.8f32, 0.95f32, 0usize), (0.8, 1.0, 0), (1.0, 0.9, 0), (0.8, 0.95, 40)]
+        {
+            let params =
+                SamplingParams { temperature, top_p, top_k, seed: Some(1), ..Default::default() };
             let mut s = Sampler::new(v);
             let mut st = SamplerState::new(&params, 1);
             let mut check = 0u64;
@@ -34,7 +37,7 @@ fn main() {
             }
             let us = t0.elapsed().as_secs_f64() * 1e6 / f64::from(n);
             println!(
-                "sigma {sigma} temperature {temperature} top_p {top_p}: {us:.1} us a draw \
+                "sigma {sigma} temperature {temperature} top_p {top_p} top_k {top_k}: {us:.1} us a draw \
                  (token sum {check})"
             );
         }
