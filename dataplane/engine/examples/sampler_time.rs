@@ -36,10 +36,26 @@ fn main() {
                 check += u64::from(s.sample(&params, &mut st, &logits, false).token);
             }
             let us = t0.elapsed().as_secs_f64() * 1e6 / f64::from(n);
+            let t0 = Instant::now();
+            for _ in 0..n {
+                check += u64::from(s.sample(&params, &mut st, &logits, true).token);
+            }
+            let lp = t0.elapsed().as_secs_f64() * 1e6 / f64::from(n);
             println!(
-                "sigma {sigma} temperature {temperature} top_p {top_p} top_k {top_k}: {us:.1} us a draw \
-                 (token sum {check})"
+                "sigma {sigma} temperature {temperature} top_p {top_p} top_k {top_k}: {us:.1} us \
+                 a draw, {lp:.1} with its log-probability (token sum {check})"
             );
         }
+        // A prompt token's score with its 5 most likely tokens (`echo` with `logprobs: 5`).
+        let mut s = Sampler::new(v);
+        let mut out = Vec::new();
+        let mut sum = 0.0f32;
+        let n = 200;
+        let t0 = Instant::now();
+        for t in 0..n {
+            sum += s.score(&logits, t, 5, &mut out);
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / f64::from(n);
+        println!("sigma {sigma}: {us:.1} us a prompt token's score and top 5 (sum {sum:.3})");
     }
 }

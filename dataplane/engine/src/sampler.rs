@@ -121,6 +121,8 @@ pub struct Sampler {
     probs: Vec<f32>,
     counts: Vec<u32>,
     touched: Vec<u32>,
+    /// A copy of the logits for [`log_sum_exp`].
+    lse_buf: Vec<f32>,
     /// Per token, its band of tempered distance to the best ([`BANDS`]: probability 0).
     band: Vec<u16>,
     /// Per band, the probability mass of its tokens (entry [`BANDS`] collects the tokens
@@ -136,6 +138,7 @@ impl Sampler {
             probs: Vec::with_capacity(n_vocab),
             counts: vec![0; n_vocab],
             touched: Vec::with_capacity(n_vocab),
+            lse_buf: Vec::with_capacity(n_vocab),
             band: Vec::with_capacity(n_vocab),
             band_mass: vec![0.0; MASS_SLOTS],
         }
@@ -204,9 +207,8 @@ impl Sampler {
         want_logprob: bool,
     ) -> Sampled {
         let (best, best_logit) = argmax(logits);
-        let logprob_of = |t: u32| {
-            if want_logprob { logits[t as usize] - log_sum_exp(logits, best_logit) } else { 0.0 }
-        };
+        let lse = want_logprob.then(|| log_sum_exp(&mut self.lse_buf, logits, best));
+        let logprob_of = |t: u32| lse.map_or(0.0, |lse| logits[t as usize] - lse);
         if params.temperature == 0.0 {
             return Sampled { token: best, logprob: logprob_of(best) };
         }
@@ -471,8 +473,9 @@ impl Sampler {
         if n == 0 || logits.is_empty() {
             return;
         }
-        let (_, best) = argmax(logits);
-        self.top_under(logits, log_sum_exp(logits, best), n, out);
+        let (best, _) = argmax(logits);
+        let lse = log_sum_exp(&mut self.lse_buf, logits, best);
+        self.top_under(logits, lse, n, out);
     }
 
     /// The log-probability of `token` under `logits` (a prompt token's score), with the `n`
@@ -487,25 +490,46 @@ impl Sampler {
     ) -> f32 {
         out.clear();
         let Some(&l) = logits.get(token as usize) else { return f32::NEG_INFINITY };
-        let (_, best) = argmax(logits);
-        let lse = log_sum_exp(logits, best);
+        let (best, _) = argmax(logits);
+        let lse = log_sum_exp(&mut self.lse_buf, logits, best);
         if n > 0 {
             self.top_under(logits, lse, n, out);
         }
         l - lse
     }
 
+    /// The `n` most likely tokens (logit descending, ties by id) in one pass that keeps the
+    /// best `n` so far in `self.idx`, with their log-probabilities under `lse`.
     fn top_under(&mut self, logits: &[f32], lse: f32, n: usize, out: &mut Vec<(u32, f32)>) {
-        self.idx.clear();
-        self.idx.extend(0..logits.len() as u32);
         let n = n.min(logits.len());
-        self.idx.select_nth_unstable_by(n - 1, |&a, &b| {
-            logits[b as usize].total_cmp(&logits[a as usize])
-        });
-        self.idx.truncate(n);
-        self.idx.sort_unstable_by(|&a, &b| {
-            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-        });
+        self.idx.clear();
+        if n == 0 {
+            return;
+        }
+        // Ranked before `b`: a higher logit (in `total_cmp`'s order), or the same and a lower id.
+        let before = |a: u32, b: u32| {
+            logits[a as usize].total_cmp(&logits[b as usize]).then(b.cmp(&a)).is_gt()
+        };
+        // The logit of the last of `n` kept so far: a plain `<` against it skips most tokens
+        // (whatever it passes, NaN and signed zeros included, `before` decides).
+        let mut floor = f32::NEG_INFINITY;
+        for (i, &l) in logits.iter().enumerate() {
+            let i = i as u32;
+            if l < floor {
+                continue;
+            }
+            if self.idx.len() == n {
+                if !before(i, self.idx[n - 1]) {
+                    continue;
+                }
+                self.idx.pop();
+            }
+            let at = self.idx.partition_point(|&k| before(k, i));
+            self.idx.insert(at, i);
+            if self.idx.len() == n {
+                floor = logits[self.idx[n - 1] as usize];
+            }
+        }
         out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
     }
 }
@@ -611,9 +635,18 @@ pub fn argmax(logits: &[f32]) -> (u32, f32) {
     (0, max)
 }
 
-fn log_sum_exp(logits: &[f32], max: f32) -> f32 {
-    let s: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
-    max + s.ln() as f32
+/// `ln Σ exp(logits)`, from the kernels' softmax (vectorized `exp`, an f64 sum) over a copy
+/// in `buf`: the best token's probability is `exp(0) / Σ = 1 / Σ`, so the sum is its inverse.
+/// NaN where the best logit is not finite (as `best − best` is NaN there).
+fn log_sum_exp(buf: &mut Vec<f32>, logits: &[f32], best: u32) -> f32 {
+    let max = logits[best as usize];
+    if !max.is_finite() {
+        return f32::NAN;
+    }
+    buf.clear();
+    buf.extend_from_slice(logits);
+    (kvx_kernels::cpu::kernels().softmax)(buf, 1.0);
+    max - buf[best as usize].ln()
 }
 
 #[cfg(test)]
@@ -869,6 +902,40 @@ mod tests {
                 let t = s.sample(&p, &mut st, &logits, false).token;
                 assert!(expected[t as usize], "case {case}: {t} drawn outside the nucleus");
             }
+        }
+    }
+
+    #[test]
+    fn log_probabilities_match_their_definition_and_the_top_list_a_full_ranking() {
+        // ln Σ exp against an f64 sum, within the f32 rounding of the kernels' softmax; the
+        // top-n list against sorting the whole vocabulary (logit descending, ties by id), on
+        // logits with ties, -inf entries, and n beyond the vocabulary.
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let mut s = Sampler::new(50_000);
+        let mut out = Vec::new();
+        for (case, (n_vocab, spread, n)) in
+            [(50_000usize, 1.0f32, 5usize), (50_000, 12.0, 20), (777, 3.0, 1), (9, 2.0, 40)]
+                .into_iter()
+                .enumerate()
+        {
+            let mut logits: Vec<f32> =
+                (0..n_vocab).map(|_| (rng.random::<f32>() * spread * 8.0).round() / 8.0).collect();
+            logits[n_vocab / 2] = f32::NEG_INFINITY;
+            let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+            let want =
+                f64::from(max) + logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>().ln();
+            let t = (n_vocab / 3) as u32;
+            let got = f64::from(logits[t as usize] - s.score(&logits, t, n, &mut out));
+            assert!((got - want).abs() < 1e-5 * want.abs().max(1.0), "case {case}: {got} {want}");
+            let mut order: Vec<u32> = (0..n_vocab as u32).collect();
+            order.sort_by(|&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+            });
+            let ids: Vec<u32> = out.iter().map(|&(i, _)| i).collect();
+            assert_eq!(ids, order[..n.min(n_vocab)], "case {case}");
+            let mut top = Vec::new();
+            s.top_logprobs(&logits, n, &mut top);
+            assert_eq!(top, out, "case {case}: one normalizer for both");
         }
     }
 

@@ -10,6 +10,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{engine, model, request, sched};
+use kvx_engine::sampler::Sampler;
 use kvx_engine::scheduler::SCORE_ROWS;
 use kvx_engine::{Engine, eval};
 use kvx_kernels::cpu;
@@ -22,11 +23,10 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
     (0..len as u32).map(|j| 200 + (salt * 7919 + j * 131) % 30_000).collect()
 }
 
-/// What the sampler computes: the log-softmax of `row` at `t` (same operations, same bits).
+/// The log-softmax of `row` at `t`, as the sampler scores a prompt token (the same function
+/// of the row: the scores below differ only if their logits do).
 fn log_softmax_at(row: &[f32], t: u32) -> f32 {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
-    let s: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
-    row[t as usize] - (max + s.ln() as f32)
+    Sampler::new(row.len()).score(row, t, 0, &mut Vec::new())
 }
 
 /// Each prompt token's score (tokens 1..) from one forward pass over the whole prompt.
