@@ -364,17 +364,12 @@ impl Sampler {
         kept[kept.len() - 1]
     }
 
-    /// The nucleus of a flat distribution without ranking it: each token with a probability
-    /// goes to one of [`BANDS`] bands of its tempered distance to the best logit (a band
-    /// never holds a higher logit than an earlier band), and the bands' masses, summed from
-    /// the best, find the band where `top_p` is reached. Only that band's tokens are ranked
-    /// (a few dozen to a few hundred) for the exact cut. The draw picks a band by mass, then
-    /// a token in id order within it: the same distribution as a walk in rank order.
     /// The nucleus of [`Sampler::draw_from_bands`]: `self.band` and `self.band_mass` filled,
     /// bands `..cut` kept whole, and `self.idx` the kept tokens of band `cut`, ranked.
     fn band_cut(&mut self, logits: &[f32], best: u32, inv_t: f32, top_p: f64) -> BandCut {
         let lmax = logits[best as usize];
-        let scale = BANDS as f32 * inv_t / NEGLIGIBLE;
+        // Finite however cold the temperature (`validate` admits any positive one).
+        let scale = (inv_t * (BANDS as f32 / NEGLIGIBLE)).min(f32::MAX);
         self.band.clear();
         let last = (BANDS - 1) as f32;
         self.band.extend(logits.iter().zip(&self.probs).map(|(&l, &p)| {
@@ -384,7 +379,7 @@ impl Sampler {
             let band = ((d + 8_388_608.0).to_bits() & 0x1fff) as u16;
             if p > 0.0 { band } else { BANDS as u16 }
         }));
-        self.band_mass.fill(0.0);
+        self.band_mass[..=BANDS].fill(0.0);
         if let Ok(mass) = <&mut [f64; MASS_SLOTS]>::try_from(&mut self.band_mass[..]) {
             // A band is at most `BANDS` < `MASS_SLOTS`: the mask only spares the bounds check.
             for (&b, &p) in self.band.iter().zip(&self.probs) {
@@ -422,6 +417,14 @@ impl Sampler {
         BandCut { cut, whole: cum, part: part_mass }
     }
 
+    /// The nucleus of a flat distribution without ranking it: each token with a probability
+    /// goes to one of [`BANDS`] bands of its tempered distance to the best logit (a band
+    /// never holds a higher logit than an earlier band), and the bands' masses, summed from
+    /// the best, find the band where `top_p` is reached. Only that band's tokens are ranked
+    /// for the exact cut (usually a few dozen to a few hundred; all of them where every
+    /// logit falls in one band, no slower than ranking them all). The draw picks a band by
+    /// mass, then a token in id order within it: the same distribution as a walk in rank
+    /// order.
     fn draw_from_bands(
         &mut self,
         state: &mut SamplerState,
@@ -639,10 +642,9 @@ pub fn argmax(logits: &[f32]) -> (u32, f32) {
 /// in `buf`: the best token's probability is `exp(0) / Σ = 1 / Σ`, so the sum is its inverse.
 /// NaN where the best logit is not finite (as `best − best` is NaN there).
 fn log_sum_exp(buf: &mut Vec<f32>, logits: &[f32], best: u32) -> f32 {
-    let max = logits[best as usize];
-    if !max.is_finite() {
+    let Some(&max) = logits.get(best as usize).filter(|m| m.is_finite()) else {
         return f32::NAN;
-    }
+    };
     buf.clear();
     buf.extend_from_slice(logits);
     (kvx_kernels::cpu::kernels().softmax)(buf, 1.0);
@@ -849,19 +851,23 @@ mod tests {
     #[test]
     fn a_flat_nucleus_cut_by_bands_is_the_shortest_ranked_prefix() {
         // Flat distributions, whose nucleus holds tokens below 1e-3 (the banded cut), on a
-        // grid of 1/64 so that many logits tie, one with min-p: the kept set is the
-        // shortest prefix of the tokens ranked by logit (ties by id) whose probability
-        // reaches top-p, found here by sorting everything; every draw lies in it.
+        // grid of 1/64 so that many logits tie: the kept set is the shortest prefix of the
+        // tokens ranked by logit (ties by id) whose probability reaches top-p, among those
+        // min-p keeps (within ln(1 / min_p) tempered nats of the best), found here by
+        // sorting everything; every draw lies in it. With min-p 0.2 at temperature 1.3 over
+        // logits in [0, 3], the survivors hold ~0.888 of the mass: top-p 0.9 keeps them all
+        // (no band is cut), top-p 0.5 cuts one.
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let n = 20_000;
         let cases = [
-            (0.8f32, 0.95f32, 0.0f32, 2.0f32),
-            (1.0, 0.5, 0.0, 1.0),
-            (1.3, 0.9, 0.05, 3.0),
-            (0.7, 0.99, 0.0, 0.5),
-            (2.0, 0.3, 0.0, 8.0),
+            (0.8f32, 0.95f32, 0.0f32, 2.0f32, false),
+            (1.0, 0.5, 0.0, 1.0, false),
+            (1.3, 0.9, 0.2, 3.0, true),
+            (1.3, 0.5, 0.2, 3.0, false),
+            (0.7, 0.99, 0.0, 0.5, false),
+            (2.0, 0.3, 0.0, 8.0, false),
         ];
-        for (case, (temp, top_p, min_p, spread)) in cases.into_iter().enumerate() {
+        for (case, (temp, top_p, min_p, spread, all_kept)) in cases.into_iter().enumerate() {
             let logits: Vec<f32> =
                 (0..n).map(|_| (rng.random::<f32>() * spread * 64.0).round() / 64.0).collect();
             let p = SamplingParams {
@@ -878,7 +884,13 @@ mod tests {
             let coarse: f64 =
                 probs.iter().filter(|&&q| q >= 1e-3).map(|&q| f64::from(q)).sum::<f64>();
             assert!(coarse < f64::from(top_p), "case {case}: the ranked path would serve it");
-            let mut order: Vec<usize> = (0..n).filter(|&i| probs[i] > 0.0).collect();
+            let best = argmax(&logits).0;
+            let lmax = f64::from(logits[best as usize]);
+            let reach = if min_p > 0.0 { (1.0 / f64::from(min_p)).ln() } else { f64::INFINITY };
+            let survives = |i: usize| (lmax - f64::from(logits[i])) / f64::from(temp) <= reach;
+            let zeroed = (0..n).filter(|&i| (probs[i] > 0.0) != survives(i)).count();
+            assert_eq!(zeroed, 0, "case {case}: min-p kept the wrong tokens");
+            let mut order: Vec<usize> = (0..n).filter(|&i| survives(i)).collect();
             order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
             let mut acc = 0.0f64;
             let mut expected = vec![false; n];
@@ -889,8 +901,8 @@ mod tests {
                     break;
                 }
             }
-            let best = argmax(&logits).0;
             let cut = s.band_cut(&logits, best, 1.0 / temp, f64::from(top_p));
+            assert_eq!(cut.cut == BANDS, all_kept, "case {case}: which path");
             let mut kept: Vec<bool> = s.band.iter().map(|&b| usize::from(b) < cut.cut).collect();
             for &i in &s.idx {
                 kept[i as usize] = true;
@@ -903,6 +915,56 @@ mod tests {
                 assert!(expected[t as usize], "case {case}: {t} drawn outside the nucleus");
             }
         }
+    }
+
+    #[test]
+    fn a_banded_draw_follows_the_nucleus_distribution() {
+        // 2,000 flat tokens (each below 1e-3), top-p 0.9: the draws' shares of four id
+        // ranges match the nucleus's (a walk that took each band's first token would favour
+        // low ids), and the cut band's ranked part is drawn in proportion (a walk that took
+        // its first token would give that token the whole part's share, ~5 times its own,
+        // and never draw the last).
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        let n = 2_000;
+        let logits: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
+        let p = SamplingParams { top_p: 0.9, seed: Some(4), ..Default::default() };
+        let mut s = Sampler::new(n);
+        let mut st = SamplerState::new(&p, 0);
+        s.sample(&p, &mut st, &logits, false);
+        assert!(s.probs.iter().all(|&q| q < 1e-3), "flat");
+        let probs = s.probs.clone();
+        let best = argmax(&logits).0;
+        let cut = s.band_cut(&logits, best, 1.0, 0.9);
+        assert!(cut.cut < BANDS && s.idx.len() >= 2, "a band is cut");
+        let (part_first, part_last) = (s.idx[0] as usize, s.idx[s.idx.len() - 1] as usize);
+        let mut kept: Vec<bool> = s.band.iter().map(|&b| usize::from(b) < cut.cut).collect();
+        for &i in &s.idx {
+            kept[i as usize] = true;
+        }
+        let total: f64 = (0..n).filter(|&i| kept[i]).map(|i| f64::from(probs[i])).sum();
+        let mut want = [0.0f64; 4];
+        for i in (0..n).filter(|&i| kept[i]) {
+            want[4 * i / n] += f64::from(probs[i]) / total;
+        }
+        let draws = 40_000;
+        let mut got = [0.0f64; 4];
+        let (mut first, mut last) = (0usize, 0usize);
+        for _ in 0..draws {
+            let t = s.sample(&p, &mut st, &logits, false).token as usize;
+            assert!(kept[t], "{t} drawn outside the nucleus");
+            got[4 * t / n] += 1.0 / f64::from(draws);
+            first += usize::from(t == part_first);
+            last += usize::from(t == part_last);
+        }
+        for k in 0..4 {
+            assert!((got[k] - want[k]).abs() < 0.02, "ids {k}/4: {} vs {}", got[k], want[k]);
+        }
+        let expect_first = f64::from(probs[part_first]) / total * f64::from(draws);
+        assert!(
+            (first as f64) < 2.5 * expect_first + 8.0 && last > 0,
+            "the cut band's ranked part: its first token {first} draws ({expect_first:.1} \
+             expected), its last {last}"
+        );
     }
 
     #[test]

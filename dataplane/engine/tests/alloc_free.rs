@@ -1,5 +1,5 @@
-//! A steady-state engine step (sequences decoding, sampled with penalties) allocates
-//! nothing. Alone in its test binary so that no other test allocates while it counts.
+//! A steady-state engine step (sequences decoding, sampled with penalties, top-k or top-p,
+//! some with log-probabilities) allocates nothing. Alone in its test binary so that no other test allocates while it counts.
 //!
 //! Needs `KVX_TEST_MODEL` (the default model; `cargo xtask test` exports it).
 
@@ -20,16 +20,20 @@ fn steady_state_steps_allocate_nothing() {
     let mut e = engine(&m, 256, sched(512, true));
     let mut reqs: Vec<GenerateRequest> =
         prompts().iter().take(8).enumerate().map(|(i, p)| request(i, p, 200)).collect();
-    // Sampled (not greedy) with penalties, to cover the sampler's full path.
-    for r in &mut reqs {
+    // Sampled (not greedy) with penalties, to cover the sampler's full path: half with
+    // top-k, half over the whole vocabulary at a temperature that flattens it (top-p cut by
+    // bands) with five log-probabilities a token.
+    for (i, r) in reqs.iter_mut().enumerate() {
+        let whole = i % 2 == 1;
         r.sampling = SamplingOptions {
-            temperature: 0.9,
-            top_k: 40,
+            temperature: if whole { 4.0 } else { 0.9 },
+            top_k: if whole { 0 } else { 40 },
             top_p: 0.95,
             presence_penalty: 0.5,
             seed: Some(3),
             ..Default::default()
         };
+        r.logprobs = whole.then_some(5);
         e.add(r).expect("add");
     }
     // Warm up: prefill and some decode steps.
