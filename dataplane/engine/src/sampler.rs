@@ -242,18 +242,20 @@ impl Sampler {
             };
             return Sampled { token: chosen, logprob: logprob_of(chosen) };
         }
-        // Candidates sorted by logit (descending), then truncated.
-        self.idx.clear();
-        self.idx.extend(0..logits.len() as u32);
-        if k < logits.len() {
+        // The k best, ranked by logit (ties by id).
+        if k <= ONE_PASS_TOP {
+            self.rank_top(logits, k);
+        } else {
+            self.idx.clear();
+            self.idx.extend(0..logits.len() as u32);
             self.idx.select_nth_unstable_by(k - 1, |&a, &b| {
-                logits[b as usize].total_cmp(&logits[a as usize])
+                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
             });
             self.idx.truncate(k);
+            self.idx.sort_unstable_by(|&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+            });
         }
-        self.idx.sort_unstable_by(|&a, &b| {
-            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-        });
         self.probs.clear();
         let mut sum = 0.0f64;
         for &i in &self.idx {
@@ -501,9 +503,16 @@ impl Sampler {
         l - lse
     }
 
-    /// The `n` most likely tokens (logit descending, ties by id) in one pass that keeps the
-    /// best `n` so far in `self.idx`, with their log-probabilities under `lse`.
+    /// The `n` most likely tokens with their log-probabilities under `lse`.
     fn top_under(&mut self, logits: &[f32], lse: f32, n: usize, out: &mut Vec<(u32, f32)>) {
+        self.rank_top(logits, n);
+        out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
+    }
+
+    /// `self.idx` = the `n` best tokens ranked by logit (descending in `total_cmp`'s order,
+    /// ties by id), in one pass that keeps the best `n` so far in order: a plain `<` against
+    /// the last kept logit skips most tokens. For small `n` ([`ONE_PASS_TOP`] and below).
+    fn rank_top(&mut self, logits: &[f32], n: usize) {
         let n = n.min(logits.len());
         self.idx.clear();
         if n == 0 {
@@ -513,8 +522,7 @@ impl Sampler {
         let before = |a: u32, b: u32| {
             logits[a as usize].total_cmp(&logits[b as usize]).then(b.cmp(&a)).is_gt()
         };
-        // The logit of the last of `n` kept so far: a plain `<` against it skips most tokens
-        // (whatever it passes, NaN and signed zeros included, `before` decides).
+        // Whatever the plain `<` passes, NaN and signed zeros included, `before` decides.
         let mut floor = f32::NEG_INFINITY;
         for (i, &l) in logits.iter().enumerate() {
             let i = i as u32;
@@ -533,7 +541,6 @@ impl Sampler {
                 floor = logits[self.idx[n - 1] as usize];
             }
         }
-        out.extend(self.idx.iter().map(|&i| (i, logits[i as usize] - lse)));
     }
 }
 
@@ -542,6 +549,10 @@ impl Sampler {
 /// f64 random number resolves, and even after normalization over a vocabulary of 10^7 a
 /// normal f32 (no subnormal arithmetic).
 const NEGLIGIBLE: f32 = 70.0;
+
+/// Up to this many best tokens (top-k, top log-probabilities) are kept in one pass over the
+/// vocabulary; more are selected (an insertion costs up to this many moves).
+const ONE_PASS_TOP: usize = 128;
 
 /// Probabilities a draw skips at a time by their sum.
 const WALK: usize = 64;
@@ -998,6 +1009,27 @@ mod tests {
             let mut top = Vec::new();
             s.top_logprobs(&logits, n, &mut top);
             assert_eq!(top, out, "case {case}: one normalizer for both");
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_best_ranked_with_ties_by_id() {
+        // Logits on a grid of 1/16 (many ties at every boundary), k on both sides of the
+        // one-pass limit: the candidates are the first k of the whole vocabulary sorted by
+        // logit (descending, ties by id), in that order, and draws come from them.
+        let mut rng = ChaCha8Rng::seed_from_u64(41);
+        let n = 5_000;
+        let logits: Vec<f32> =
+            (0..n).map(|_| (rng.random::<f32>() * 64.0).round() / 16.0).collect();
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        let mut s = Sampler::new(n);
+        for k in [1, 7, 40, ONE_PASS_TOP, ONE_PASS_TOP + 1, 500] {
+            let p = SamplingParams { top_k: k, seed: Some(k as u64), ..Default::default() };
+            let mut st = SamplerState::new(&p, 0);
+            let t = s.sample(&p, &mut st, &logits, false).token;
+            assert_eq!(s.idx, order[..k], "k = {k}");
+            assert!(order[..k].contains(&t), "k = {k}: {t} drawn outside the k best");
         }
     }
 
