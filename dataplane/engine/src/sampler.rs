@@ -214,13 +214,13 @@ impl Sampler {
         }
         let inv_t = 1.0 / params.temperature;
         let max = best_logit * inv_t;
+        if !max.is_finite() {
+            // Nothing allowed (every logit -inf), or a temperature so small that the scaled
+            // logits overflow: the draw's limit is the greedy pick (with top-k too).
+            return Sampled { token: best, logprob: logprob_of(best) };
+        }
         let k = if params.top_k > 0 { params.top_k.min(logits.len()) } else { logits.len() };
         if k == logits.len() {
-            if !max.is_finite() {
-                // Nothing allowed (every logit -inf), or a temperature so small that the
-                // scaled logits overflow: the draw's limit is the greedy pick.
-                return Sampled { token: best, logprob: logprob_of(best) };
-            }
             // The whole vocabulary's probabilities, from the kernels' softmax (vectorized
             // `exp`): a draw over a 50k vocabulary costs tens of microseconds, not hundreds.
             // Tokens more than [`NEGLIGIBLE`] tempered nats below the best get probability
@@ -550,9 +550,10 @@ impl Sampler {
 /// normal f32 (no subnormal arithmetic).
 const NEGLIGIBLE: f32 = 70.0;
 
-/// Up to this many best tokens (top-k, top log-probabilities) are kept in one pass over the
-/// vocabulary; more are selected (an insertion costs up to this many moves).
-const ONE_PASS_TOP: usize = 128;
+/// Top-k up to this many is kept in one pass over the vocabulary ([`Sampler::rank_top`]; an
+/// insertion costs up to this many moves, so a row whose logits rise with the id costs ~V·k);
+/// a larger k is selected. The top log-probabilities (at most 20) always take the one pass.
+const ONE_PASS_TOP: usize = 64;
 
 /// Probabilities a draw skips at a time by their sum.
 const WALK: usize = 64;
@@ -1024,6 +1025,28 @@ mod tests {
         let mut order: Vec<u32> = (0..n as u32).collect();
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
         let mut s = Sampler::new(n);
+        // The one pass on special values: ±0 straddling the k-th place, ±inf, ±NaN.
+        let mut odd: Vec<f32> = (0..300).map(|i| [0.0, -0.0, 1.0, -1.0][i % 4]).collect();
+        for (i, v) in [
+            (3, f32::NAN),
+            (17, -f32::NAN),
+            (40, f32::INFINITY),
+            (41, f32::NEG_INFINITY),
+            (299, f32::NAN),
+        ] {
+            odd[i] = v;
+        }
+        let mut odd_order: Vec<u32> = (0..odd.len() as u32).collect();
+        odd_order.sort_by(|&a, &b| odd[b as usize].total_cmp(&odd[a as usize]).then(a.cmp(&b)));
+        for k in [1, 2, 3, 40, 80, 120, 200, 299, 300] {
+            s.rank_top(&odd, k);
+            assert_eq!(s.idx, odd_order[..k], "special values, k = {k}");
+        }
+        // A temperature so cold that the scaled logits overflow: the greedy pick, with top-k
+        // as without.
+        let cold = SamplingParams { temperature: 1e-39, top_k: 5, ..Default::default() };
+        let mut st = SamplerState::new(&cold, 0);
+        assert_eq!(s.sample(&cold, &mut st, &logits, false).token, order[0]);
         for k in [1, 7, 40, ONE_PASS_TOP, ONE_PASS_TOP + 1, 500] {
             let p = SamplingParams { top_k: k, seed: Some(k as u64), ..Default::default() };
             let mut st = SamplerState::new(&p, 0);
