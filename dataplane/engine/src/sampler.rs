@@ -103,8 +103,8 @@ impl SamplerState {
     }
 }
 
-/// A sampled token with its log-probability under the final (filtered, tempered)
-/// distribution.
+/// A sampled token with its log-probability (under the unfiltered distribution at
+/// temperature 1, as its field says).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampled {
     /// Token id.
