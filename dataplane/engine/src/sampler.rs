@@ -248,13 +248,9 @@ impl Sampler {
         } else {
             self.idx.clear();
             self.idx.extend(0..logits.len() as u32);
-            self.idx.select_nth_unstable_by(k - 1, |&a, &b| {
-                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-            });
+            self.idx.select_nth_unstable_by(k - 1, |&a, &b| rank(logits, a, b));
             self.idx.truncate(k);
-            self.idx.sort_unstable_by(|&a, &b| {
-                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-            });
+            self.idx.sort_unstable_by(|&a, &b| rank(logits, a, b));
         }
         self.probs.clear();
         let mut sum = 0.0f64;
@@ -308,7 +304,7 @@ impl Sampler {
                 *p = if *p < floor { 0.0 } else { *p };
             }
         }
-        let total: f64 = self.probs.chunks(WALK).map(chunk_sum).sum();
+        let total: f64 = self.probs.chunks(WALK).map(|c| chunk_sum(c, f32::NEG_INFINITY)).sum();
         let r = state.rng.random::<f64>() * total;
         walk(&self.probs, r).unwrap_or(best)
     }
@@ -333,37 +329,44 @@ impl Sampler {
         }
         let top_p = f64::from(params.top_p);
         let coarse = 1e-3f32;
-        if self.probs.chunks(WALK).map(|c| chunk_sum_from(c, coarse)).sum::<f64>() < top_p {
+        if self.probs.chunks(WALK).map(|c| chunk_sum(c, coarse)).sum::<f64>() < top_p {
             return self.draw_from_bands(state, logits, best, 1.0 / params.temperature, top_p);
         }
         let probs = &self.probs;
         self.idx.clear();
         self.idx.extend((0..logits.len() as u32).filter(|&i| probs[i as usize] >= coarse));
-        if self.idx.is_empty() {
-            return best;
-        }
-        self.idx.sort_unstable_by(|&a, &b| {
-            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-        });
+        let total = self.rank_and_cut(logits, 0.0, top_p);
+        let r = state.rng.random::<f64>() * total;
+        self.walk_ranked(r).unwrap_or(best)
+    }
+
+    /// Ranks `self.idx` by [`rank`] and keeps its shortest prefix whose probability, added to
+    /// `before`, reaches `top_p` (all of it if none does); returns the kept probability.
+    fn rank_and_cut(&mut self, logits: &[f32], before: f64, top_p: f64) -> f64 {
+        self.idx.sort_unstable_by(|&a, &b| rank(logits, a, b));
+        let mut kept = 0.0f64;
         let mut keep = self.idx.len();
-        let mut acc = 0.0f64;
         for (n, &i) in self.idx.iter().enumerate() {
-            acc += f64::from(probs[i as usize]);
-            if acc >= top_p {
+            kept += f64::from(self.probs[i as usize]);
+            if before + kept >= top_p {
                 keep = n + 1;
                 break;
             }
         }
-        let kept = &self.idx[..keep];
-        let total: f64 = kept.iter().map(|&i| f64::from(probs[i as usize])).sum();
-        let mut r = state.rng.random::<f64>() * total;
-        for &i in kept {
-            r -= f64::from(probs[i as usize]);
+        self.idx.truncate(keep);
+        kept
+    }
+
+    /// The token of `self.idx` (ranked) where the running sum of its probabilities reaches
+    /// `r`, or its last one when rounding leaves `r` past the end; `None` if it is empty.
+    fn walk_ranked(&self, mut r: f64) -> Option<u32> {
+        for &i in &self.idx {
+            r -= f64::from(self.probs[i as usize]);
             if r <= 0.0 {
-                return i;
+                return Some(i);
             }
         }
-        kept[kept.len() - 1]
+        self.idx.last().copied()
     }
 
     /// The nucleus of [`Sampler::draw_from_bands`]: `self.band` and `self.band_mass` filled,
@@ -403,18 +406,7 @@ impl Sampler {
         if cut < BANDS {
             let band = &self.band;
             self.idx.extend((0..logits.len() as u32).filter(|&i| band[i as usize] == cut as u16));
-            self.idx.sort_unstable_by(|&a, &b| {
-                logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-            });
-            let mut keep = self.idx.len();
-            for (n, &i) in self.idx.iter().enumerate() {
-                part_mass += f64::from(self.probs[i as usize]);
-                if cum + part_mass >= top_p {
-                    keep = n + 1;
-                    break;
-                }
-            }
-            self.idx.truncate(keep);
+            part_mass = self.rank_and_cut(logits, cum, top_p);
         }
         BandCut { cut, whole: cum, part: part_mass }
     }
@@ -440,14 +432,7 @@ impl Sampler {
         let mut r = state.rng.random::<f64>() * (cum + part_mass);
         if r >= cum {
             // In the cut band's ranked part.
-            r -= cum;
-            for &i in &self.idx {
-                r -= f64::from(self.probs[i as usize]);
-                if r <= 0.0 {
-                    return i;
-                }
-            }
-            return self.idx.last().copied().unwrap_or(best);
+            return self.walk_ranked(r - cum).unwrap_or(best);
         }
         let Some(b) = self.band_mass[..cut].iter().position(|&m| {
             r -= m;
@@ -518,10 +503,7 @@ impl Sampler {
         if n == 0 {
             return;
         }
-        // Ranked before `b`: a higher logit (in `total_cmp`'s order), or the same and a lower id.
-        let before = |a: u32, b: u32| {
-            logits[a as usize].total_cmp(&logits[b as usize]).then(b.cmp(&a)).is_gt()
-        };
+        let before = |a: u32, b: u32| rank(logits, a, b).is_lt();
         // Whatever the plain `<` passes, NaN and signed zeros included, `before` decides.
         let mut floor = f32::NEG_INFINITY;
         for (i, &l) in logits.iter().enumerate() {
@@ -573,22 +555,15 @@ const BANDS: usize = 4096;
 /// Entries of the bands' mass array: a power of two above [`BANDS`].
 const MASS_SLOTS: usize = 2 * BANDS;
 
-/// The sum of a chunk of probabilities: 16 lanes of f32 (the compiler vectorizes them), added
-/// up in f64.
-fn chunk_sum(c: &[f32]) -> f64 {
-    let mut lanes = [0.0f32; 16];
-    let parts = c.chunks_exact(16);
-    let tail: f64 = parts.remainder().iter().map(|&p| f64::from(p)).sum();
-    for part in parts {
-        for (a, &p) in lanes.iter_mut().zip(part) {
-            *a += p;
-        }
-    }
-    lanes.iter().map(|&a| f64::from(a)).sum::<f64>() + tail
+/// The order tokens are ranked in: a higher logit first (in `total_cmp`'s order), ties by
+/// the lower id.
+fn rank(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
+    logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
 }
 
-/// The sum of a chunk's probabilities of at least `tau`, as [`chunk_sum`] adds them.
-fn chunk_sum_from(c: &[f32], tau: f32) -> f64 {
+/// The sum of a chunk's probabilities of at least `tau` (`f32::NEG_INFINITY`: all but NaN):
+/// 16 lanes of f32 (the compiler vectorizes them), added up in f64.
+fn chunk_sum(c: &[f32], tau: f32) -> f64 {
     let mut lanes = [0.0f32; 16];
     let parts = c.chunks_exact(16);
     let tail: f64 = parts.remainder().iter().filter(|&&p| p >= tau).map(|&p| f64::from(p)).sum();
@@ -605,7 +580,7 @@ fn chunk_sum_from(c: &[f32], tau: f32) -> f64 {
 /// token of probability 0 is never chosen; `None` when rounding leaves `r` past the end.
 fn walk(probs: &[f32], mut r: f64) -> Option<u32> {
     for (c, chunk) in probs.chunks(WALK).enumerate() {
-        let s = chunk_sum(chunk);
+        let s = chunk_sum(chunk, f32::NEG_INFINITY);
         if r > s {
             r -= s;
             continue;
@@ -748,7 +723,7 @@ mod tests {
         for n in [1usize, 15, 64, 65, 1000, 49_152] {
             let probs: Vec<f32> =
                 (0..n).map(|i| if i % 7 == 3 { 0.0 } else { rng.random::<f32>() * 1e-3 }).collect();
-            let total: f64 = probs.chunks(WALK).map(chunk_sum).sum();
+            let total: f64 = probs.chunks(WALK).map(|c| chunk_sum(c, f32::NEG_INFINITY)).sum();
             let exact: f64 = probs.iter().map(|&p| f64::from(p)).sum();
             assert!((total - exact).abs() <= 1e-6 * exact, "n={n}: {total} vs {exact}");
             for k in 0..200 {
