@@ -149,8 +149,15 @@ fn kernel_level() -> &'static str {
 }
 
 /// ggml build flags giving exactly the instruction set of kvx's kernel level on this CPU
-/// (explicit, so that extensions kvx does not mirror, such as AMX tiles, stay off).
-fn oracle_cmake_args() -> (&'static str, &'static str) {
+/// (explicit, so that extensions kvx does not mirror, such as AMX tiles, stay off), and
+/// without the multimodal library (`LLAVA_BUILD`, loaded only by image chat handlers, which
+/// the oracle does not use).
+fn oracle_cmake_args() -> (&'static str, String) {
+    let (level, isa) = oracle_isa_args();
+    (level, format!("{isa} -DLLAVA_BUILD=OFF"))
+}
+
+fn oracle_isa_args() -> (&'static str, &'static str) {
     match kernel_level() {
         "avx512" => (
             "avx512",
@@ -180,7 +187,7 @@ fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     let (level, cmake_args) = oracle_cmake_args();
     let marker = venv.join("kvx-oracle-build");
     let want = ORACLE_REQ.split("==").nth(1).unwrap_or_default();
-    let stamp = format!("{ORACLE_REQ} {level}");
+    let stamp = format!("{ORACLE_REQ} {level} {cmake_args}");
     let check = format!(
         "import llama_cpp, numpy, jinja2, openai, jsonschema; assert llama_cpp.__version__ == {want:?}"
     );
