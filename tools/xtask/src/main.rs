@@ -157,6 +157,7 @@ fn oracle_cmake_args() -> (&'static str, String) {
     (level, format!("{isa} -DLLAVA_BUILD=OFF"))
 }
 
+/// The instruction-set part of [`oracle_cmake_args`]: the level's name and its ggml flags.
 fn oracle_isa_args() -> (&'static str, &'static str) {
     match kernel_level() {
         "avx512" => (
