@@ -181,7 +181,7 @@ fn on_the_model_the_running_bound_follows_the_engine_s_batch_knee() {
     let s = Served::start(&["--shards", "1", "--max-running", "knee", "--max-queue-wait", "3600"]);
     assert_eq!(s.metric("kvx_admission_running_bound"), Some(64.0));
     // Waves of 16 requests of different lengths: decode steps of 16 sequences down to 1.
-    for _ in 0..3 {
+    let wave = || {
         let clients: Vec<_> = (0..16)
             .map(|i| {
                 let addr = s.addr.clone();
@@ -196,13 +196,29 @@ fn on_the_model_the_running_bound_follows_the_engine_s_batch_knee() {
             let r = c.join().expect("client");
             assert_eq!(r.status, 200, "{}", r.text());
         }
-    }
+    };
     // A step here costs a fixed part (the weights) and a part per sequence: the knee, where
     // 90% of the slots' throughput is had, lies well under the slots and over the floor (4).
-    let mut bound = None;
-    wait_for("the bound at the knee", Duration::from_secs(10), || {
-        bound = s.metric("kvx_admission_running_bound");
-        bound.is_some_and(|b| b < 64.0)
-    });
+    // Three waves at least; more while the fit is not trusted yet (on a loaded machine the
+    // step times' noise can leave less than half their variance explained for a while).
+    let end = Instant::now() + Duration::from_secs(90);
+    let (mut waves, mut bound) = (0, None);
+    while waves < 3 || (bound.is_none_or(|b| b >= 64.0) && Instant::now() < end) {
+        wave();
+        waves += 1;
+        if waves < 3 {
+            continue;
+        }
+        // The bound follows the knees once a second.
+        let settle = Instant::now() + Duration::from_secs(3);
+        loop {
+            bound = s.metric("kvx_admission_running_bound");
+            if bound.is_some_and(|b| b < 64.0) || Instant::now() > settle {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    assert!(bound.is_some_and(|b| b < 64.0), "the bound stayed after {waves} waves: {bound:?}");
     assert!(bound.is_some_and(|b| b >= 4.0), "{bound:?}");
 }
