@@ -201,23 +201,24 @@ fn on_the_model_the_running_bound_follows_the_engine_s_batch_knee() {
     // 90% of the slots' throughput is had, lies well under the slots and over the floor (4).
     // Three waves at least; more while the fit is not trusted yet (on a loaded machine the
     // step times' noise can leave less than half their variance explained for a while).
-    let end = Instant::now() + Duration::from_secs(90);
-    let (mut waves, mut bound) = (0, None);
-    while waves < 3 || (bound.is_none_or(|b| b >= 64.0) && Instant::now() < end) {
-        wave();
-        waves += 1;
-        if waves < 3 {
-            continue;
-        }
-        // The bound follows the knees once a second.
+    // The bound follows the knees once a second: whether it is under the slots within 3 s.
+    let mut bound = None;
+    let mut fell = || {
         let settle = Instant::now() + Duration::from_secs(3);
         loop {
             bound = s.metric("kvx_admission_running_bound");
             if bound.is_some_and(|b| b < 64.0) || Instant::now() > settle {
-                break;
+                return bound.is_some_and(|b| b < 64.0);
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    };
+    let end = Instant::now() + Duration::from_secs(90);
+    let mut waves = 3;
+    (0..waves).for_each(|_| wave());
+    while !fell() && Instant::now() < end {
+        wave();
+        waves += 1;
     }
     assert!(bound.is_some_and(|b| b < 64.0), "the bound stayed after {waves} waves: {bound:?}");
     assert!(bound.is_some_and(|b| b >= 4.0), "{bound:?}");

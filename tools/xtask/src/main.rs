@@ -153,13 +153,7 @@ fn kernel_level() -> &'static str {
 /// without the multimodal library (`LLAVA_BUILD`, loaded only by image chat handlers, which
 /// the oracle does not use).
 fn oracle_cmake_args() -> (&'static str, String) {
-    let (level, isa) = oracle_isa_args();
-    (level, format!("{isa} -DLLAVA_BUILD=OFF"))
-}
-
-/// The instruction-set part of [`oracle_cmake_args`]: the level's name and its ggml flags.
-fn oracle_isa_args() -> (&'static str, &'static str) {
-    match kernel_level() {
+    let (level, isa) = match kernel_level() {
         "avx512" => (
             "avx512",
             "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
@@ -174,11 +168,12 @@ fn oracle_isa_args() -> (&'static str, &'static str) {
             "scalar",
             "-DGGML_NATIVE=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF",
         ),
-    }
+    };
+    (level, format!("{isa} -DLLAVA_BUILD=OFF"))
 }
 
 /// A venv with the oracle, reused when it already imports at the pinned version and was
-/// built for this CPU's kernel level.
+/// built for this CPU's kernel level with these flags.
 fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     if let Some(p) = env::var_os("KVX_ORACLE_PYTHON") {
         return Ok(PathBuf::from(p));
