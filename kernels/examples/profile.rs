@@ -13,7 +13,7 @@
 //! `RATES=1` times the products alone instead (TOKENS tokens, each arithmetic): one FFN
 //! matrix again and again (in L1/L2), every layer's matrices in turn (from the last-level
 //! cache as far as they fit), and the same after reading 512 MiB of other memory twice (from
-//! DRAM).
+//! DRAM). `AMX=0` keeps the row-lane products off AMX tiles where the machine has them.
 
 #![allow(clippy::disallowed_methods)] // an example reads its settings from the environment
 
@@ -35,7 +35,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n_tok: usize = args.next().ok_or(usage)?.parse()?;
     let seqs: Option<usize> = args.next().map(|s| s.parse()).transpose()?;
     let file = Arc::new(GgufFile::open(&path)?);
-    let k = cpu::kernels();
+    let k = if std::env::var("AMX").is_ok_and(|v| v == "0") {
+        let best = cpu::Kernels::for_level(cpu::SimdLevel::detect()).ok_or("no kernels")?;
+        cpu::select_table(best.without_tiles())?
+    } else {
+        cpu::kernels()
+    };
+    eprintln!("kernels: {} (AMX tiles: {})", k.level, k.uses_tiles());
     let pool = ThreadPool::new(threads)?;
     let only = std::env::var("MATH").ok();
     for math in [None, Some(LaneMath::Exact), Some(LaneMath::Fast)] {

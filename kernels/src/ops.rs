@@ -279,7 +279,11 @@ pub fn matmul_with(
         if !pack_lanes(pool, lk.pack, w.ty, typed_acts(w.act_ty, xq)?, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
-        let job = LaneJob { w: lw, acts: packed, n_tok, out: &out };
+        let tiles = lk.wants_tiles(lw.math(), n_tok).then(|| {
+            crate::cpu::lanes::tile_records(packed, n_tok, nb, &mut scratch.lines);
+            &scratch.lines[..]
+        });
+        let job = LaneJob { w: lw, acts: packed, n_tok, out: &out, tiles };
         let run = |i: usize, n: usize| {
             // Thread `i` writes only the rows of its own `split_range`.
             (lk.run)(&job, split_range(w.rows, i, n, LANE_ROWS));
@@ -357,18 +361,31 @@ pub fn matmul_many<const N: usize>(
     let acts = typed_acts(first.act_ty, xq)?;
     SCRATCH.with(|s| {
         let mut s = s.try_borrow_mut().map_err(|_| KernelError::Shape("matmul_many re-entered"))?;
+        let MatmulScratch { lines: tile_lines, acts: act_buf } = &mut *s;
         let nb = first.cols / first.ty.block_size();
         let need = n_tok * nb;
-        if s.acts.len() < need {
-            s.acts.resize(need, LaneAct::default());
+        if act_buf.len() < need {
+            act_buf.resize(need, LaneAct::default());
         }
-        let packed = &mut s.acts[..need];
+        let packed = &mut act_buf[..need];
         if !pack_lanes(pool, lk.pack, first.ty, acts, n_tok, nb, packed) {
             return Err(KernelError::Shape("matmul activations do not fit the kernel"));
         }
         let outs = outs.map(DisjointOut::new);
+        // Tile records once for every matrix that runs on tiles.
+        let tiles = ws.iter().any(|w| w.lanes.is_some_and(|lw| lk.wants_tiles(lw.math(), n_tok)));
+        if tiles {
+            crate::cpu::lanes::tile_records(packed, n_tok, nb, tile_lines);
+        }
+        let lines = &tile_lines[..];
         let jobs: [Option<LaneJob<'_>>; N] = std::array::from_fn(|m| {
-            ws[m].lanes.map(|lw| LaneJob { w: lw, acts: packed, n_tok, out: &outs[m] })
+            ws[m].lanes.map(|lw| LaneJob {
+                w: lw,
+                acts: packed,
+                n_tok,
+                out: &outs[m],
+                tiles: lk.wants_tiles(lw.math(), n_tok).then_some(lines),
+            })
         });
         let run = |i: usize, n: usize| {
             // Thread `i` writes only the rows of its own `split_range` of each matrix.

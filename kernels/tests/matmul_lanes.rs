@@ -17,13 +17,18 @@ use kvx_kernels::quant;
 
 const TYPES: [GgmlType; 3] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0];
 
-/// The levels with a row-lane kernel (none is a failure on a CPU that has AVX-512 VNNI).
+/// The levels with a row-lane kernel (none is a failure on a CPU that has AVX-512 VNNI),
+/// each also without AMX tiles where it has them (both kernels are tested where both run).
 fn lane_levels() -> Vec<Kernels> {
     let ks: Vec<Kernels> = levels().into_iter().filter(|k| k.lanes.is_some()).collect();
     if kvx_kernels::cpu::SimdLevel::Avx512.is_supported() {
         assert!(!ks.is_empty(), "the AVX-512 table has no row-lane kernel");
     }
-    ks
+    let tiles = ks.iter().any(Kernels::uses_tiles);
+    assert_eq!(tiles, kvx_kernels::cpu::tiles_granted(), "tiles granted but not in the table");
+    eprintln!("AMX tiles: {}", if tiles { "tested" } else { "not granted on this machine" });
+    let plain = ks.iter().filter(|k| k.uses_tiles()).map(|k| k.without_tiles());
+    ks.iter().copied().chain(plain).collect()
 }
 
 /// Asserts that `out` (`n_tok × rows`) holds exactly the twin's dot products: the level's

@@ -205,6 +205,34 @@ fn the_preferred_arithmetic_is_split_where_the_fast_products_pay_and_exact_elsew
 }
 
 #[test]
+fn amx_tiles_change_no_bit_of_the_logits() {
+    // Where the CPU has AMX tiles and the OS grants them, the `split` products of 16 or more
+    // tokens run on them (`cpu::tiles_granted`): every logit of a prompt, and of decode steps
+    // of 16 sequences, must be the vector kernel's.
+    let m = common::model_in(Arith::Split);
+    let tok = common::tokenizer();
+    let p: Vec<u32> = tok.encode(&TEXT.repeat(2), true).expect("encode");
+    let n = p.len();
+    assert!(n >= 64, "a prompt of {n} tokens");
+    let plain: &'static cpu::Kernels = Box::leak(Box::new(cpu::kernels().without_tiles()));
+    assert!(!plain.uses_tiles());
+    eprintln!(
+        "AMX tiles: {}",
+        if cpu::kernels().uses_tiles() { "compared" } else { "not granted on this machine" }
+    );
+    let pool = ThreadPool::new(2).expect("pool");
+    let mut vector = ModelBackend::new(m.clone(), plain, pool, 16, 16, 512, 1024).expect("backend");
+    let mut tiles = kernels(&m, 16);
+    // One step of the whole prompt, then steps of 16 and 20 tokens.
+    for steps in [vec![n], vec![16, 20, n - 36]] {
+        let (a, b) = (rows(&mut tiles, &p, &steps), rows(&mut vector, &p, &steps));
+        assert_eq!(a.len(), b.len());
+        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "steps {steps:?}: logits differ with tiles");
+    }
+}
+
+#[test]
 fn the_split_arithmetic_is_batch_invariant_and_nearer_the_reference_than_exact() {
     let (exact_m, split_m) = (model(), common::model_in(Arith::Split));
     assert!(split_m.can_split_kv());

@@ -97,7 +97,7 @@ pub fn shape_of(prepared: &Prepared, role: &str) -> WorkerShape {
         role: role.to_string(),
         shards: 1,
         threads_per_shard: setup.threads_per_engine as u32,
-        simd: if mocker { "none".into() } else { setup.kernels.level.name().into() },
+        simd: if mocker { "none".into() } else { setup.kernels.label() },
         arith: if mocker { String::new() } else { setup.effective_arith().name().into() },
         model: if mocker {
             format!("mocker (speedup {})", setup.mocker.speedup)

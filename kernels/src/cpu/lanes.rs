@@ -26,6 +26,12 @@
 //! In both, no sum crosses rows or tokens, so every output has the same bits whatever the
 //! batch, the tile or the thread split: batch invariance holds by construction.
 //!
+//! **AMX.** Where the CPU has AMX-INT8 tiles and the OS grants them
+//! ([`super::tiles_granted`]), `Fast` products of [`TILE_MIN_TOKENS`] or more tokens run on
+//! them ([`Lanes::wants_tiles`]), from the same weight records and activations laid out once
+//! per product in groups of up to 16 tokens ([`tile_records`]): the same bits, each block's
+//! exact integers from one tile product instead of 8 `vpdpbusd` a token.
+//!
 //! **Layout.** Rows in tiles of [`LANE_ROWS`]; per tile, block after block, one record:
 //! `Q4_x`: four 64-byte vectors whose lane `i` holds row `i`'s nibble bytes `4j..4j + 4`
 //! (low nibbles: elements `4j..4j + 4`; high: `16 + 4j..`), then the 16 rows' `d` (f16), then
@@ -305,6 +311,17 @@ pub struct Lanes {
     pub(crate) run: fn(&LaneJob<'_>, Range<usize>),
     /// Packs activations into records: the same records as [`pack`], its scalar twin.
     pub(crate) pack: PackFn,
+    /// Whether `run` computes `Fast` products of several tokens on AMX tiles (the same
+    /// bits: [`dot_reference`]) from the job's tile records.
+    pub(crate) tiles: bool,
+}
+
+impl Lanes {
+    /// Whether a product in `math` of `n_tok` tokens runs on tiles, and so wants its
+    /// activations as tile records too ([`LaneJob::tiles`]).
+    pub(crate) fn wants_tiles(&self, math: LaneMath, n_tok: usize) -> bool {
+        self.tiles && math == LaneMath::Fast && n_tok >= TILE_MIN_TOKENS
+    }
 }
 
 /// Signature of [`pack`] and its SIMD twins.
@@ -318,6 +335,66 @@ pub(crate) struct LaneJob<'a> {
     pub(crate) n_tok: usize,
     /// `n_tok × rows` outputs, token-major.
     pub(crate) out: &'a DisjointOut,
+    /// The same activations as tile records ([`tile_records`]) where the table runs this
+    /// product on tiles ([`Lanes::wants_tiles`]).
+    pub(crate) tiles: Option<&'a [Line]>,
+}
+
+/// Tokens from which a `Fast` product runs on AMX tiles: below it the AVX-512 kernel's
+/// per-token `vpdpbusd` cost less than a tile product and the unpacking of its weights.
+pub(crate) const TILE_MIN_TOKENS: usize = 16;
+/// Tokens per tile group: the rows of an A and a C tile.
+pub(crate) const TILE_GROUP: usize = 16;
+/// Tokens per tile chunk, at most: a chunk's records stay in L2 while every row tile of a
+/// thread's share runs over them.
+pub(crate) const TILE_CHUNK: usize = 64;
+/// Lines of a (group, block) tile record: the group's 16 rows of 32 activation quants (an A
+/// tile at a 32-byte stride), then 16 `d` (f32), 16 `s` (f32) and 16 `corr_sum` (i32).
+pub(crate) const TILE_REC_LINES: usize = 11;
+/// Byte offsets of the `d`, `s` and `corr_sum` arrays in a tile record.
+pub(crate) const TILE_D: usize = 512;
+pub(crate) const TILE_S: usize = 576;
+pub(crate) const TILE_CORR: usize = 640;
+
+/// The chunks of a tile product of `n_tok` tokens, split evenly (130: 43, 43, 44), each as
+/// (first token, tokens, groups); its groups split it evenly too (43: 14, 14, 15).
+pub(crate) fn tile_chunks(n_tok: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    let chunks = n_tok.div_ceil(TILE_CHUNK);
+    (0..chunks).map(move |c| {
+        let (c0, c1) = (c * n_tok / chunks, (c + 1) * n_tok / chunks);
+        (c0, c1 - c0, (c1 - c0).div_ceil(TILE_GROUP))
+    })
+}
+
+/// Lays out `n_tok × nb` activation records (token-major) as tile records: chunk after
+/// chunk ([`tile_chunks`]), group after group, block after block, [`TILE_REC_LINES`] lines
+/// each; a group's rows past its tokens keep what `dst` held (a tile product computes them,
+/// nothing reads them).
+pub(crate) fn tile_records(acts: &[LaneAct], n_tok: usize, nb: usize, dst: &mut Vec<Line>) {
+    let groups: usize = tile_chunks(n_tok).map(|(_, _, g)| g).sum();
+    if dst.len() < groups * nb * TILE_REC_LINES {
+        dst.resize(groups * nb * TILE_REC_LINES, Line([0; 64]));
+    }
+    let mut recs = dst.chunks_exact_mut(nb * TILE_REC_LINES);
+    for (c0, m, groups) in tile_chunks(n_tok) {
+        for g in 0..groups {
+            let (t0, t1) = (c0 + g * m / groups, c0 + (g + 1) * m / groups);
+            let Some(group) = recs.next() else { return };
+            for (b, rec) in group.chunks_exact_mut(TILE_REC_LINES).enumerate() {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(rec);
+                let (qs, rest) = bytes.split_at_mut(TILE_D);
+                let (d, rest) = rest.split_at_mut(TILE_S - TILE_D);
+                let (s, corr) = rest.split_at_mut(TILE_CORR - TILE_S);
+                for (i, t) in (t0..t1).enumerate() {
+                    let a = &acts[t * nb + b];
+                    qs[32 * i..32 * i + 32].copy_from_slice(bytemuck::cast_slice(&a.qs));
+                    d[4 * i..4 * i + 4].copy_from_slice(&a.d.to_ne_bytes());
+                    s[4 * i..4 * i + 4].copy_from_slice(&a.s.to_ne_bytes());
+                    corr[4 * i..4 * i + 4].copy_from_slice(&a.corr_sum.to_ne_bytes());
+                }
+            }
+        }
+    }
 }
 
 impl LaneJob<'_> {
@@ -335,9 +412,13 @@ impl LaneJob<'_> {
     }
 }
 
-/// The kernel of `level`, if it has one.
+/// The kernel of `level`, if it has one (with AMX tiles where they were granted).
 pub(crate) fn table(level: super::SimdLevel) -> Option<Lanes> {
     match level {
+        #[cfg(target_arch = "x86_64")]
+        super::SimdLevel::Avx512 if super::tiles_granted() => {
+            Some(super::arch::x86_64::lanes::avx512_tiles())
+        }
         #[cfg(target_arch = "x86_64")]
         super::SimdLevel::Avx512 => Some(super::arch::x86_64::lanes::avx512()),
         _ => None,

@@ -226,6 +226,47 @@ impl Kernels {
     }
 }
 
+impl Kernels {
+    /// Whether the row-lane `Fast` products of several tokens run on AMX tiles
+    /// ([`tiles_granted`]).
+    pub fn uses_tiles(&self) -> bool {
+        self.lanes.is_some_and(|l| l.tiles)
+    }
+
+    /// The level's name, with `+amx` where [`Kernels::uses_tiles`] (for reports: tiles
+    /// change speed, never bits, so fingerprints of computed bits use the level alone).
+    pub fn label(&self) -> String {
+        if self.uses_tiles() {
+            format!("{}+amx", self.level.name())
+        } else {
+            self.level.name().to_string()
+        }
+    }
+
+    /// The same table with the row-lane products on the level's vector kernel alone (no AMX
+    /// tiles), for comparison and for `--no-amx`.
+    pub fn without_tiles(mut self) -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        if self.uses_tiles() {
+            self.lanes = Some(arch::x86_64::lanes::avx512());
+        }
+        self
+    }
+}
+
+/// Whether this CPU has AMX-INT8 tiles and the OS granted this process their state (asked
+/// once, on first call; Linux only). Some hypervisors advertise AMX without passing it
+/// through: the OS then refuses and this is false.
+pub fn tiles_granted() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        return SimdLevel::Avx512.is_supported() && arch::x86_64::tiles::request_tiles();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    })
+}
+
 /// Asks for every cache line of `data` to be fetched into L2; a hint without effect on
 /// results (nothing on other architectures).
 pub fn prefetch_l2(data: &[u8]) {
@@ -289,13 +330,19 @@ pub enum SelectError {
 
 /// Fixes the process-wide kernel level. Must run before the first [`kernels`] call.
 pub fn select(level: SimdLevel) -> Result<&'static Kernels, SelectError> {
-    let table = Kernels::for_level(level).ok_or(SelectError::Unsupported(level))?;
+    select_table(Kernels::for_level(level).ok_or(SelectError::Unsupported(level))?)
+}
+
+/// Fixes the process-wide kernel table (a [`Kernels::for_level`], perhaps
+/// [`Kernels::without_tiles`]). Must run before the first [`kernels`] call.
+pub fn select_table(table: Kernels) -> Result<&'static Kernels, SelectError> {
+    let level = table.level;
     let mut fresh = false;
     let k = ACTIVE.get_or_init(|| {
         fresh = true;
         table
     });
-    if !fresh && k.level != level {
+    if !fresh && (k.level != level || k.uses_tiles() != table.uses_tiles()) {
         return Err(SelectError::AlreadySet(k.level));
     }
     Ok(k)

@@ -91,7 +91,7 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
             serde_json::json!({
                 "model": setup.model.as_ref().map(|p| p.display().to_string()),
                 "threads": threads,
-                "kernels": kernels.level.name(),
+                "kernels": kernels.label(),
                 "arithmetic": math,
                 "pp": args.pp, "pp_tok_s": pp_med, "pp_runs": pp,
                 "tg": args.tg, "tg_tok_s": tg_med, "tg_runs": tg,
@@ -104,10 +104,10 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
         );
         println!("|---|---|---|---|---|");
         if args.pp > 0 {
-            println!("| pp{} | {threads} | {} | {math} | {pp_med:.1} |", args.pp, kernels.level);
+            println!("| pp{} | {threads} | {} | {math} | {pp_med:.1} |", args.pp, kernels.label());
         }
         if args.tg > 0 {
-            println!("| tg{} | {threads} | {} | {math} | {tg_med:.1} |", args.tg, kernels.level);
+            println!("| tg{} | {threads} | {} | {math} | {tg_med:.1} |", args.tg, kernels.label());
         }
     }
     Ok(())

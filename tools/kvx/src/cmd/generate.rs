@@ -251,7 +251,7 @@ pub(crate) fn generate(args: GenerateArgs, rt: &Runtime) -> Result<()> {
         stats.prefill_tokens,
         stats.cached_tokens,
         stats.preemptions,
-        rt.kernels()?.level,
+        rt.kernels()?.label(),
         prepared.setup().effective_arith().name()
     );
     Ok(())

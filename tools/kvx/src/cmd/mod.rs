@@ -49,6 +49,11 @@ pub(crate) struct Cli {
     #[arg(long, global = true, env = "KVX_SIMD")]
     pub(crate) simd: Option<String>,
 
+    /// Keep the matrix products off AMX tiles where the CPU has them (by default the `fast`
+    /// and `split` arithmetics use them for steps of several tokens; results are the same).
+    #[arg(long, global = true, env = "KVX_NO_AMX")]
+    pub(crate) no_amx: bool,
+
     #[command(subcommand)]
     pub(crate) command: Command,
 }
@@ -85,6 +90,7 @@ pub(crate) struct Runtime {
     pub(crate) store: Store,
     pub(crate) cores: usize,
     simd: Option<String>,
+    no_amx: bool,
     kernels: OnceLock<&'static Kernels>,
 }
 
@@ -94,15 +100,13 @@ impl Runtime {
         if let Some(k) = self.kernels.get() {
             return Ok(k);
         }
-        let k = match self.simd.as_deref() {
-            None => cpu::kernels(),
-            Some(name) => {
-                let level = SimdLevel::from_name(name).ok_or_else(|| {
-                    anyhow::anyhow!("unknown --simd {name:?} (scalar, avx2, avx512)")
-                })?;
-                cpu::select(level)?
-            }
+        let level = match self.simd.as_deref() {
+            None => SimdLevel::detect(),
+            Some(name) => SimdLevel::from_name(name)
+                .ok_or_else(|| anyhow::anyhow!("unknown --simd {name:?} (scalar, avx2, avx512)"))?,
         };
+        let table = Kernels::for_level(level).ok_or(cpu::SelectError::Unsupported(level))?;
+        let k = cpu::select_table(if self.no_amx { table.without_tiles() } else { table })?;
         Ok(self.kernels.get_or_init(|| k))
     }
 }
@@ -113,6 +117,7 @@ pub(crate) fn run(cli: Cli) -> Result<()> {
         store: Store::new(&home, &cli.python),
         cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         simd: cli.simd.clone(),
+        no_amx: cli.no_amx,
         kernels: OnceLock::new(),
     };
     match cli.command {

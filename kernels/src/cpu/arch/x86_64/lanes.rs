@@ -86,7 +86,7 @@ wrapper!(fast_q4_0 => Q4_0, false);
 wrapper!(fast_q4_1 => Q4_1, false);
 wrapper!(fast_q8_0 => Q8_0, false);
 
-fn run(job: &LaneJob<'_>, rows: Range<usize>) {
+pub(super) fn run(job: &LaneJob<'_>, rows: Range<usize>) {
     match (job.w.ty(), job.w.math()) {
         (GgmlType::Q4_0, LaneMath::Exact) => exact_q4_0(job, rows),
         (GgmlType::Q4_1, LaneMath::Exact) => exact_q4_1(job, rows),
@@ -101,7 +101,13 @@ fn run(job: &LaneJob<'_>, rows: Range<usize>) {
 
 /// The AVX-512 entry (the level's features were detected by the caller).
 pub(crate) fn avx512() -> Lanes {
-    Lanes { run, pack }
+    Lanes { run, pack, tiles: false }
+}
+
+/// The AVX-512 entry with the `Fast` products of several tokens on AMX tiles
+/// ([`super::tiles`]); only where [`super::tiles::request_tiles`] succeeded.
+pub(crate) fn avx512_tiles() -> Lanes {
+    Lanes { run: super::tiles::run, pack, tiles: true }
 }
 
 /// [`crate::cpu::lanes::pack`] with the scales converted by `vcvtph2ps` and the `Q8_0`
@@ -332,7 +338,7 @@ fn fast<const KIND: u8, const T: usize>(
 /// `v · a.d`, `a.d` broadcast by the load (no shuffle uop).
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
+pub(super) fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
     let r: __m512;
     // SAFETY: reads the 4 bytes of `a.d`, inside `a`.
     unsafe {
@@ -348,7 +354,7 @@ fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
 /// `acc + m · a.s` in one rounding, `a.s` broadcast by the load.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn fmadd_s(mut acc: __m512, m: __m512, a: &LaneAct) -> __m512 {
+pub(super) fn fmadd_s(mut acc: __m512, m: __m512, a: &LaneAct) -> __m512 {
     // SAFETY: reads the 4 bytes of `a.s`, inside `a`.
     unsafe {
         std::arch::asm!("vfmadd231ps {acc}, {m}, dword ptr [{p} + {o}]{{1to16}}",

@@ -9,6 +9,7 @@
 //!   ([`crate::cpu::Kernels::attn_free`]).
 //! * [`gemm`]: the tiled matrix kernels of [`crate::cpu::gemm`], AVX2 and AVX-512 VNNI.
 //! * [`lanes`]: the AVX-512 VNNI row-lane matrix kernel of [`crate::cpu::lanes`].
+//! * [`tiles`]: its `Fast` products on AMX tiles, where the CPU and the OS allow them.
 
 pub(crate) mod attn;
 pub(crate) mod avx2;
@@ -16,6 +17,7 @@ pub(crate) mod avx512;
 pub(crate) mod exact;
 pub(crate) mod gemm;
 pub(crate) mod lanes;
+pub(crate) mod tiles;
 
 #[cfg(test)]
 mod tests;
