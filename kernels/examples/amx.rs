@@ -1,9 +1,10 @@
 //! Whether AMX tile work and AVX-512 vector work overlap on this CPU, for kernels/PERF.md:
 //! the time per block of the tile kernel's two halves (`cpu::arch::x86_64::tiles`) alone and
 //! together. "tiles": a block's tile product as the kernel issues it (A and B loads, zero,
-//! `tdpbsud`, store) of 16 tokens × 16 rows × 32; "scaling": the `Fast` scaling of 16
-//! tokens' integers (a load, a conversion, a multiply and two fused multiply-adds each) from
-//! a buffer the tiles do not write; "both": the two in one loop. Where they overlap, "both"
+//! `tdpbsud`, store) of 16 tokens × 16 rows × 32; "scaling": the `Q4_1` `Fast` scaling of
+//! 16 tokens' integers (a load, a conversion, a multiply and two fused multiply-adds each;
+//! the kernel takes its two scalars by broadcast loads, here broadcasts of loaded scalars)
+//! from a buffer the tiles do not write; "both": the two in one loop. Where they overlap, "both"
 //! costs about the larger of the two; where they do not, their sum.
 //!
 //! `cargo run --release -p kvx-kernels --example amx`

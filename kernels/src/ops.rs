@@ -20,7 +20,9 @@ use crate::cpu::Kernels;
 use crate::cpu::disjoint::{Disjoint, DisjointOut};
 use crate::cpu::exact::SumShape;
 use crate::cpu::gemm::{Acts, GemmJob, Line};
-use crate::cpu::lanes::{LANE_ROWS, LaneAct, LaneJob, LaneMatrix};
+use crate::cpu::lanes::{
+    LANE_ROWS, LaneAct, LaneJob, LaneMatrix, TILE_MIN_TOKENS, tile_record_lines,
+};
 use crate::par::{ThreadPool, split_range};
 use crate::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, GgmlType, cast_blocks};
 use crate::quant_k::{BlockQ4K, BlockQ6K, BlockQ8K};
@@ -232,9 +234,18 @@ impl MatmulScratch {
     /// scratch reserved for every matrix of a model and the step size serves them all.
     pub fn reserve(&mut self, k: &Kernels, w: &QMatrix<'_>, max_tok: usize) {
         if w.uses_lanes(k) {
-            let need = max_tok * (w.cols / w.ty.block_size());
+            let nb = w.cols / w.ty.block_size();
+            let need = max_tok * nb;
             if self.acts.len() < need {
                 self.acts.resize(need, LaneAct::default());
+            }
+            // The tile records, where products of this many tokens run on tiles (the most
+            // lines any token count up to `max_tok` takes).
+            let tiles =
+                k.lanes.zip(w.lanes).is_some_and(|(l, lw)| l.wants_tiles(lw.math(), max_tok));
+            if tiles {
+                let lines = (TILE_MIN_TOKENS..=max_tok).map(|n| tile_record_lines(n, nb)).max();
+                self.grow(lines.unwrap_or(0));
             }
         } else if let Some(g) = k.gemm.for_type(w.ty) {
             let nb = w.cols / w.ty.block_size();

@@ -207,8 +207,8 @@ fn the_preferred_arithmetic_is_split_where_the_fast_products_pay_and_exact_elsew
 #[test]
 fn amx_tiles_change_no_bit_of_the_logits() {
     // Where the CPU has AMX tiles and the OS grants them, the `split` products of 16 or more
-    // tokens run on them (`cpu::tiles_granted`): every logit of a prompt, and of decode steps
-    // of 16 sequences, must be the vector kernel's.
+    // tokens run on them (`cpu::tiles_granted`): every logit of a prompt, whole or in steps
+    // of 16 tokens and more, must be the vector kernel's.
     let m = common::model_in(Arith::Split);
     let tok = common::tokenizer();
     let p: Vec<u32> = tok.encode(&TEXT.repeat(2), true).expect("encode");

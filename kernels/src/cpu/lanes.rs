@@ -351,9 +351,11 @@ pub(crate) const TILE_CHUNK: usize = 64;
 /// Lines of a (group, block) tile record: the group's 16 rows of 32 activation quants (an A
 /// tile at a 32-byte stride), then 16 `d` (f32), 16 `s` (f32) and 16 `corr_sum` (i32).
 pub(crate) const TILE_REC_LINES: usize = 11;
-/// Byte offsets of the `d`, `s` and `corr_sum` arrays in a tile record.
+/// Byte offset of the 16 `d` (f32) in a tile record.
 pub(crate) const TILE_D: usize = 512;
+/// Byte offset of the 16 `s` (f32) in a tile record.
 pub(crate) const TILE_S: usize = 576;
+/// Byte offset of the 16 `corr_sum` (i32) in a tile record.
 pub(crate) const TILE_CORR: usize = 640;
 
 /// The chunks of a tile product of `n_tok` tokens, split evenly (130: 43, 43, 44), each as
@@ -366,14 +368,19 @@ pub(crate) fn tile_chunks(n_tok: usize) -> impl Iterator<Item = (usize, usize, u
     })
 }
 
+/// Lines of the tile records of `n_tok` tokens of `nb` blocks ([`tile_records`]).
+pub(crate) fn tile_record_lines(n_tok: usize, nb: usize) -> usize {
+    tile_chunks(n_tok).map(|(_, _, g)| g).sum::<usize>() * nb * TILE_REC_LINES
+}
+
 /// Lays out `n_tok × nb` activation records (token-major) as tile records: chunk after
 /// chunk ([`tile_chunks`]), group after group, block after block, [`TILE_REC_LINES`] lines
 /// each; a group's rows past its tokens keep what `dst` held (a tile product computes them,
 /// nothing reads them).
 pub(crate) fn tile_records(acts: &[LaneAct], n_tok: usize, nb: usize, dst: &mut Vec<Line>) {
-    let groups: usize = tile_chunks(n_tok).map(|(_, _, g)| g).sum();
-    if dst.len() < groups * nb * TILE_REC_LINES {
-        dst.resize(groups * nb * TILE_REC_LINES, Line([0; 64]));
+    let need = tile_record_lines(n_tok, nb);
+    if dst.len() < need {
+        dst.resize(need, Line([0; 64]));
     }
     let mut recs = dst.chunks_exact_mut(nb * TILE_REC_LINES);
     for (c0, m, groups) in tile_chunks(n_tok) {
@@ -412,11 +419,12 @@ impl LaneJob<'_> {
     }
 }
 
-/// The kernel of `level`, if it has one (with AMX tiles where they were granted).
-pub(crate) fn table(level: super::SimdLevel) -> Option<Lanes> {
+/// The kernel of `level`, if it has one (with AMX tiles where `tiles` and they are granted:
+/// asking is left out without `tiles`).
+pub(crate) fn table(level: super::SimdLevel, tiles: bool) -> Option<Lanes> {
     match level {
         #[cfg(target_arch = "x86_64")]
-        super::SimdLevel::Avx512 if super::tiles_granted() => {
+        super::SimdLevel::Avx512 if tiles && super::tiles_granted() => {
             Some(super::arch::x86_64::lanes::avx512_tiles())
         }
         #[cfg(target_arch = "x86_64")]
@@ -544,8 +552,30 @@ mod tests {
     }
 
     #[test]
+    fn tile_chunks_cover_every_token_once_in_groups_that_fit_a_tile() {
+        for n in 1..=700 {
+            let mut next = 0;
+            let mut lines = 0;
+            for (c0, m, groups) in tile_chunks(n) {
+                assert_eq!(c0, next, "{n} tokens: chunks are contiguous");
+                assert!((1..=TILE_CHUNK).contains(&m), "{n} tokens: a chunk of {m}");
+                // The tiles are configured for the largest group, which a tile holds.
+                assert!(m.div_ceil(groups) <= TILE_GROUP, "{n} tokens: {m} in {groups} groups");
+                for g in 0..groups {
+                    let size = (g + 1) * m / groups - g * m / groups;
+                    assert!((1..=TILE_GROUP).contains(&size), "{n} tokens: a group of {size}");
+                }
+                next += m;
+                lines += groups * 3 * TILE_REC_LINES;
+            }
+            assert_eq!(next, n);
+            assert_eq!(tile_record_lines(n, 3), lines);
+        }
+    }
+
+    #[test]
     fn simd_pack_matches_the_scalar_records() {
-        let Some(lk) = table(SimdLevel::detect()) else {
+        let Some(lk) = table(SimdLevel::detect(), false) else {
             eprintln!("no row-lane kernel on this CPU: nothing to compare");
             return;
         };

@@ -187,8 +187,15 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// The table for `level`, or `None` if this CPU does not support it.
+    /// The table for `level`, or `None` if this CPU does not support it; with AMX tiles where
+    /// they are granted ([`tiles_granted`]).
     pub fn for_level(level: SimdLevel) -> Option<Kernels> {
+        Self::for_level_with(level, true)
+    }
+
+    /// [`Kernels::for_level`], with AMX tiles only where `tiles` (without, the OS is not
+    /// asked for the tile state at all).
+    pub fn for_level_with(level: SimdLevel, tiles: bool) -> Option<Kernels> {
         if !level.is_supported() {
             return None;
         }
@@ -203,7 +210,7 @@ impl Kernels {
         };
         exact::patch(&mut k);
         k.gemm = gemm::table(level);
-        k.lanes = lanes::table(level);
+        k.lanes = lanes::table(level, tiles);
         Some(k)
     }
 
@@ -326,6 +333,9 @@ pub enum SelectError {
     /// The table was already fixed (by an earlier call or first use).
     #[error("kernel level already fixed to {0}")]
     AlreadySet(SimdLevel),
+    /// The table was already fixed at this level, with AMX tiles (`true`) or without.
+    #[error("kernel table already fixed, AMX tiles {}", if *.0 { "on" } else { "off" })]
+    TilesAlreadySet(bool),
 }
 
 /// Fixes the process-wide kernel level. Must run before the first [`kernels`] call.
@@ -342,8 +352,11 @@ pub fn select_table(table: Kernels) -> Result<&'static Kernels, SelectError> {
         fresh = true;
         table
     });
-    if !fresh && (k.level != level || k.uses_tiles() != table.uses_tiles()) {
+    if !fresh && k.level != level {
         return Err(SelectError::AlreadySet(k.level));
+    }
+    if !fresh && k.uses_tiles() != table.uses_tiles() {
+        return Err(SelectError::TilesAlreadySet(k.uses_tiles()));
     }
     Ok(k)
 }

@@ -105,8 +105,9 @@ impl Runtime {
             Some(name) => SimdLevel::from_name(name)
                 .ok_or_else(|| anyhow::anyhow!("unknown --simd {name:?} (scalar, avx2, avx512)"))?,
         };
-        let table = Kernels::for_level(level).ok_or(cpu::SelectError::Unsupported(level))?;
-        let k = cpu::select_table(if self.no_amx { table.without_tiles() } else { table })?;
+        let table = Kernels::for_level_with(level, !self.no_amx)
+            .ok_or(cpu::SelectError::Unsupported(level))?;
+        let k = cpu::select_table(table)?;
         Ok(self.kernels.get_or_init(|| k))
     }
 }

@@ -338,7 +338,7 @@ fn fast<const KIND: u8, const T: usize>(
 /// `v · a.d`, `a.d` broadcast by the load (no shuffle uop).
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
+fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
     let r: __m512;
     // SAFETY: reads the 4 bytes of `a.d`, inside `a`.
     unsafe {
@@ -354,7 +354,7 @@ pub(super) fn mul_d(v: __m512, a: &LaneAct) -> __m512 {
 /// `acc + m · a.s` in one rounding, `a.s` broadcast by the load.
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) fn fmadd_s(mut acc: __m512, m: __m512, a: &LaneAct) -> __m512 {
+fn fmadd_s(mut acc: __m512, m: __m512, a: &LaneAct) -> __m512 {
     // SAFETY: reads the 4 bytes of `a.s`, inside `a`.
     unsafe {
         std::arch::asm!("vfmadd231ps {acc}, {m}, dword ptr [{p} + {o}]{{1to16}}",

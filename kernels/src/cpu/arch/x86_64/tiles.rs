@@ -15,17 +15,18 @@
 //! row `j` holds, for each of the 16 weight rows, its unsigned quants `4j..4j + 4`: for
 //! `Q4_x` the low and high nibbles of the record's four vectors, unpacked with the f32 scales
 //! once per tile and chunk into a thread's buffer; for `Q8_0` the record's eight vectors as
-//! they are, bytes offset by 128), C (tokens × 16 int32), stored and scaled. The integer
-//! starts from the record's `corr_sum` (`Q4_0`: −8 · Σ q, `Q8_0`: −128 · Σ q), as in the
-//! AVX-512 kernel. Tile products run [`LAG`] blocks ahead of the scaling, four C tiles in
+//! they are, bytes offset by 128), C (tokens × 16 int32), stored and scaled. The record's
+//! `corr_sum` (`Q4_0`: −8 · Σ q, `Q8_0`: −128 · Σ q) is added to the stored integers, which
+//! is exact as the AVX-512 kernel's start from it is. Tile products run [`LAG`] blocks ahead of the scaling, four C tiles in
 //! turn (tile registers are not renamed: a C tile is zeroed again only after its store).
 //!
 //! **What it gains.** On the Xeon this was measured on (family 6 model 167, under KVM), tile
-//! instructions and vector instructions do not overlap: a block's tile work alone takes
-//! ~10.5 ns, the scaling of 16 tokens alone ~12.5–14 ns, both together the sum (~26 ns),
-//! whatever the order. So the products of 16 or more tokens run ~1.2× the AVX-512 kernel's
-//! rate, not the tile unit's ~4×; below [`crate::cpu::lanes::TILE_MIN_TOKENS`] the nibble
-//! unpacking and the tile work cost more than they save. kernels/PERF.md has the figures.
+//! instructions and vector instructions do not overlap (the `amx` example): a block's tile
+//! work alone takes 10.8–11.3 ns, a scaling of 16 tokens alone 13.9–14.1, both in one loop
+//! 26.2–27.4, the sum. So the products of 16 or more tokens run ~1.2× the AVX-512 kernel's
+//! rate, not the ~3× its instruction count would allow; below
+//! [`crate::cpu::lanes::TILE_MIN_TOKENS`] the nibble unpacking and the tile work cost more
+//! than they save. kernels/PERF.md has the figures.
 //!
 //! **Configuration.** A tile configuration fixes the token rows; loading one costs ~50–80 ns
 //! here, so a call configures once per chunk whose largest group differs from the last (a
@@ -37,7 +38,9 @@
 //! [`run`], which [`crate::cpu::lanes::table`] installs only where both were found
 //! ([`request_tiles`]). Tile loads read at most 16 rows × 32 bytes of a group's tile record
 //! (whose length `imp_run` asserts) and 8 lines of a weight record or of the unpacked
-//! buffer; tile stores write 16 lines into a 4 KiB stack buffer.
+//! buffer; tile stores write the configured rows (at most 16 lines) into a set of a 4 KiB
+//! stack buffer, and the scaling reads only lines a store wrote. The tiles are released on
+//! every way out of `imp_run`, a panic included ([`Release`]).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -91,6 +94,19 @@ pub(crate) fn request_tiles() -> bool {
     }
     #[cfg(not(target_os = "linux"))]
     false
+}
+
+/// Releases this thread's tile state when dropped (the registers become zero, the
+/// configuration cleared): made before the first configuration, so that a panic leaves no
+/// tile in use.
+struct Release;
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        // SAFETY: `tilerelease` needs only the granted tile state (a `Release` exists only in
+        // `imp_run`, reachable only where it was granted); after it no tile is in use.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
 }
 
 /// A tile configuration (palette 1): C tiles 0–3 (`rows` × 64 bytes), A tiles 4 and 5
@@ -160,7 +176,9 @@ fn imp_run<const KIND: u8>(
     if KIND != Q8_0 && unpacked.len() < nb * UNPACKED_LINES {
         unpacked.resize(nb * UNPACKED_LINES, Line([0; 64]));
     }
+    debug_assert_eq!(job.w.math(), crate::cpu::lanes::LaneMath::Fast, "tiles compute `Fast`");
     let lpr = rec_lines(job.w.ty());
+    let _release = Release;
     let mut configured = 0;
     let mut first_group = 0;
     for (c0, m, groups) in tile_chunks(job.n_tok) {
@@ -200,7 +218,10 @@ fn imp_run<const KIND: u8>(
                 macro_rules! go {
                     ($($t:literal)*) => {
                         match size {
-                            $($t => group::<KIND, $t>(&ops, job, tile, t0),)*
+                            // SAFETY: configured for `rows` ≥ `size` rows; `ops` points into
+                            // this tile's records, its B tiles and group `g`'s tile records
+                            // (asserted above).
+                            $($t => unsafe { group::<KIND, $t>(&ops, job, tile, t0) },)*
                             _ => unreachable!("groups have 1..=16 tokens"),
                         }
                     };
@@ -210,9 +231,6 @@ fn imp_run<const KIND: u8>(
         }
         first_group += groups;
     }
-    // SAFETY: releases this thread's tile state (the registers become zero, the
-    // configuration cleared); no tile is in use after this point.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
 /// Lines of a block's unpacked `Q4_x` weights: the 8 lines of its B tile, then its 16 rows'
@@ -308,11 +326,14 @@ unsafe fn tile_block(p: usize, a: *const u8, b: *const u8, cp: *mut u8) {
 }
 
 /// `v · x`, `x` the f32 at `p + OFF` broadcast by the load.
+///
+/// # Safety
+/// `p + OFF` must be 4 readable bytes (of a tile record, in the callers).
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn mul_at<const OFF: usize>(v: __m512, p: *const u8) -> __m512 {
+unsafe fn mul_at<const OFF: usize>(v: __m512, p: *const u8) -> __m512 {
     let r: __m512;
-    // SAFETY: (callers) `p + OFF` is 4 readable bytes of an activation record.
+    // SAFETY: (callers) `p + OFF` is 4 readable bytes.
     unsafe {
         asm!("vmulps {r}, {v}, dword ptr [{p} + {o}]{{1to16}}", r = lateout(zmm_reg) r,
             v = in(zmm_reg) v, p = in(reg) p, o = const OFF,
@@ -323,9 +344,12 @@ fn mul_at<const OFF: usize>(v: __m512, p: *const u8) -> __m512 {
 }
 
 /// `acc + m · x` in one rounding, `x` the f32 at `p + OFF` broadcast by the load.
+///
+/// # Safety
+/// As [`mul_at`].
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn fmadd_at<const OFF: usize>(mut acc: __m512, m: __m512, p: *const u8) -> __m512 {
+unsafe fn fmadd_at<const OFF: usize>(mut acc: __m512, m: __m512, p: *const u8) -> __m512 {
     // SAFETY: as [`mul_at`].
     unsafe {
         asm!("vfmadd231ps {acc}, {m}, dword ptr [{p} + {o}]{{1to16}}",
@@ -336,9 +360,12 @@ fn fmadd_at<const OFF: usize>(mut acc: __m512, m: __m512, p: *const u8) -> __m51
 }
 
 /// `v + x` (i32 lanes), `x` the i32 at `p + OFF` broadcast by the load.
+///
+/// # Safety
+/// As [`mul_at`].
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn add_at<const OFF: usize>(v: __m512i, p: *const u8) -> __m512i {
+unsafe fn add_at<const OFF: usize>(v: __m512i, p: *const u8) -> __m512i {
     let r: __m512i;
     // SAFETY: as [`mul_at`].
     unsafe {
@@ -350,9 +377,19 @@ fn add_at<const OFF: usize>(v: __m512i, p: *const u8) -> __m512i {
 }
 
 /// The `T` tokens `t0..` of one group over row tile `tile`: their 16 outputs each.
+///
+/// # Safety
+/// The tiles configured for at least `T` rows; `g`'s pointers as [`Group`] describes them:
+/// `g.nb` tile records from `g.acts`, B tiles of `g.nb` blocks from `g.b_base`, `g.nb`
+/// weight records from `g.recs`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
 #[inline]
-fn group<const KIND: u8, const T: usize>(g: &Group, job: &LaneJob<'_>, tile: usize, t0: usize) {
+unsafe fn group<const KIND: u8, const T: usize>(
+    g: &Group,
+    job: &LaneJob<'_>,
+    tile: usize,
+    t0: usize,
+) {
     let ty = kind_ty(KIND);
     let mut c = std::mem::MaybeUninit::<CBuf>::uninit();
     // Written by the tile stores and read by the scaling, both through this pointer; every
@@ -401,12 +438,16 @@ fn group<const KIND: u8, const T: usize>(g: &Group, job: &LaneJob<'_>, tile: usi
                     // token `$t`'s 16 integers.
                     let mut i = unsafe { _mm512_load_si512(lines.add($t * 64).cast()) };
                     if KIND != Q4_1 {
-                        i = add_at::<{ TILE_CORR + 4 * $t }>(i, a);
+                        // SAFETY: `a` is this block's tile record (`TILE_REC_LINES` lines);
+                        // token `$t`'s `corr_sum` lies inside it.
+                        i = unsafe { add_at::<{ TILE_CORR + 4 * $t }>(i, a) };
                     }
-                    let d = mul_at::<{ TILE_D + 4 * $t }>(dw, a);
+                    // SAFETY: as above, its `d`.
+                    let d = unsafe { mul_at::<{ TILE_D + 4 * $t }>(dw, a) };
                     acc[$t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, acc[$t]);
                     if KIND == Q4_1 {
-                        acc[$t] = fmadd_at::<{ TILE_S + 4 * $t }>(acc[$t], mw, a);
+                        // SAFETY: as above, its `s`.
+                        acc[$t] = unsafe { fmadd_at::<{ TILE_S + 4 * $t }>(acc[$t], mw, a) };
                     }
                 }
             };
