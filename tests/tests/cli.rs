@@ -1,5 +1,5 @@
 //! The `kvx` command line: tokenize against llama.cpp, generate's JSON shape and errors,
-//! the model store commands, `kvx bench xfer` on every backend.
+//! the model store commands, `kvx bench engine`'s report, `kvx bench xfer` on every backend.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -136,6 +136,35 @@ fn model_store_commands() {
     assert!(std::path::Path::new(path.trim()).is_file(), "{path}");
     let verify = kvx_ok(&["model", "verify"]);
     assert!(verify.contains("ok"), "{verify}");
+}
+
+#[test]
+fn bench_engine_reports_the_timed_runs_only() {
+    let model = test_model();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["bench", "engine", "--model", model.to_str().expect("path")];
+        args.extend_from_slice(&["--threads", "1", "--pp", "32", "--tg", "8", "--reps", "2"]);
+        args.extend_from_slice(extra);
+        args.push("--json");
+        let line = kvx_ok(&args);
+        serde_json::from_str::<serde_json::Value>(line.trim()).expect("one JSON object")
+    };
+    for extra in [&[][..], &["--no-amx"][..]] {
+        let v = run(extra);
+        // Two timed runs of each test: the untimed warm-up is not among them.
+        for (runs, median) in [("pp_runs", "pp_tok_s"), ("tg_runs", "tg_tok_s")] {
+            let r = v[runs].as_array().expect(runs);
+            assert_eq!(r.len(), 2, "{extra:?}: {v}");
+            assert!(r.iter().all(|x| x.as_f64().is_some_and(|x| x > 0.0)), "{v}");
+            assert!(v[median].as_f64().is_some_and(|x| x > 0.0), "{v}");
+        }
+        let kernels = v["kernels"].as_str().expect("kernels");
+        // `--no-amx` never names tiles; without it they are named where the machine has them.
+        if !extra.is_empty() {
+            assert!(!kernels.contains("amx"), "{v}");
+        }
+        assert!(!v["arithmetic"].as_str().expect("arithmetic").is_empty(), "{v}");
+    }
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! `kvx bench engine`: prompt processing and token generation speed of the engine itself,
 //! measured like llama.cpp's `llama-bench` (pp: one batch of N prompt tokens; tg: N tokens
-//! generated one at a time), repeated, with the median reported.
+//! generated one at a time), repeated, with the median reported. As llama-bench keeps one
+//! context and warms it up, one engine serves every run, without a prefix cache (its freed
+//! blocks are the next run's), and an untimed run of each test goes first: no timed run
+//! pays the first writes of a fresh KV cache (on huge pages, ~0.3 GB/s on some VMs).
 
 use std::time::Instant;
 
@@ -34,6 +37,8 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
     let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
     setup.limits.max_batched_tokens = setup.limits.max_batched_tokens.max(args.pp.max(1));
     setup.limits.max_num_seqs = 1;
+    // Nothing cached between runs, as in a llama.cpp context cleared between them.
+    setup.limits.prefix_caching = false;
     let prepared = setup.prepare()?;
     let threads = setup.threads_per_engine;
     let kernels = setup.kernels;
@@ -43,9 +48,8 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     let mut id = 0u64;
+    let mut engine = prepared.engine(0)?;
     let mut run_one = |prompt: Vec<u32>, max_tokens: u32| -> Result<(f64, f64)> {
-        // A fresh engine per test: nothing cached, like a new llama.cpp context.
-        let mut engine = prepared.engine(0)?;
         id += 1;
         let req = GenerateRequest::new(
             RequestId(id),
@@ -67,16 +71,21 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
         }
         Ok((first.unwrap_or(0.0), start.elapsed().as_secs_f64()))
     };
-    for _ in 0..args.reps.max(1) {
+    // Run 0 is the untimed warm-up.
+    for r in 0..=args.reps.max(1) {
         if args.pp > 0 {
             let (ttft, _) = run_one((0..args.pp).map(token).collect(), 1)?;
-            pp.push(args.pp as f64 / ttft);
+            if r > 0 {
+                pp.push(args.pp as f64 / ttft);
+            }
         }
         if args.tg > 0 {
             // One prompt token, then `tg` single-token steps (the first sampled token comes
             // from the prompt step, as in llama-bench's tg the first decode starts at once).
             let (first, total) = run_one(vec![token(0)], args.tg as u32 + 1)?;
-            tg.push(args.tg as f64 / (total - first));
+            if r > 0 {
+                tg.push(args.tg as f64 / (total - first));
+            }
         }
     }
     let med = |v: &mut Vec<f64>| {
