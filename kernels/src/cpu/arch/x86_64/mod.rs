@@ -11,6 +11,30 @@
 //! * [`lanes`]: the AVX-512 VNNI row-lane matrix kernel of [`crate::cpu::lanes`].
 //! * [`tiles`]: its `Fast` products on AMX tiles, where the CPU and the OS allow them.
 
+/// `$m!(0); … $m!(15);`: a kernel's 16 tokens written out one by one, each under a constant
+/// test (`$t < T`) that folds away, so that LLVM keeps their accumulators in registers (left
+/// as a loop over `0..T`, it kept even eight of them on the stack).
+macro_rules! sixteen {
+    ($m:ident) => {
+        $m!(0);
+        $m!(1);
+        $m!(2);
+        $m!(3);
+        $m!(4);
+        $m!(5);
+        $m!(6);
+        $m!(7);
+        $m!(8);
+        $m!(9);
+        $m!(10);
+        $m!(11);
+        $m!(12);
+        $m!(13);
+        $m!(14);
+        $m!(15);
+    };
+}
+
 pub(crate) mod attn;
 pub(crate) mod avx2;
 pub(crate) mod avx512;

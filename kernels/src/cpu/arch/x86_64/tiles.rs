@@ -452,22 +452,7 @@ unsafe fn group<const KIND: u8, const T: usize>(
                 }
             };
         }
-        token!(0);
-        token!(1);
-        token!(2);
-        token!(3);
-        token!(4);
-        token!(5);
-        token!(6);
-        token!(7);
-        token!(8);
-        token!(9);
-        token!(10);
-        token!(11);
-        token!(12);
-        token!(13);
-        token!(14);
-        token!(15);
+        sixteen!(token);
     }
     for (t, acc) in acc.iter().enumerate() {
         let dst = job.out.range((t0 + t) * job.w.rows() + tile * LANE_ROWS, LANE_ROWS);
