@@ -12,6 +12,9 @@
 //! default, 1, unless told otherwise): a served step draws each sequence's token from the
 //! whole vocabulary, which greedy decoding would leave out of the profile. (The prefill
 //! points stay greedy: one draw per prompt is lost in its TTFT.)
+//!
+//! [`bench_engine`] is `kvx bench engine`'s measurement, llama-bench's two tests on one
+//! engine.
 
 use std::time::Instant;
 
@@ -284,4 +287,99 @@ pub fn measure(
         prefill,
         decode,
     })
+}
+
+/// The timed runs of [`bench_engine`], tokens/s each.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineBench {
+    /// Prompt processing: `pp` prompt tokens over the time to the first token.
+    pub pp_runs: Vec<f64>,
+    /// Generation: `tg` tokens over the time from the first token to the last.
+    pub tg_runs: Vec<f64>,
+}
+
+impl EngineBench {
+    /// The median of the prompt runs (0 without any).
+    pub fn pp_median(&self) -> f64 {
+        median(&mut self.pp_runs.clone())
+    }
+    /// The median of the generation runs (0 without any).
+    pub fn tg_median(&self) -> f64 {
+        median(&mut self.tg_runs.clone())
+    }
+}
+
+/// llama-bench's tests on `engine`, `reps` times each: pp, one batch of `pp` prompt tokens;
+/// tg, `tg` tokens generated one at a time after a one-token prompt (the first sampled token
+/// comes from the prompt step, as llama-bench's tg starts decoding at once); greedy. As
+/// llama-bench keeps one context and warms it up, one engine serves every run (give it no
+/// prefix cache, so that nothing is found between runs) and an untimed run of each test
+/// goes first: no timed run pays the first writes of a fresh KV cache (on huge pages, ~0.3
+/// GB/s on some VMs). `0` skips a test.
+pub fn bench_engine(
+    engine: &mut Engine,
+    vocab: u32,
+    pp: u32,
+    tg: u32,
+    reps: u32,
+) -> Result<EngineBench, ProfileRunError> {
+    let mut id = 0u64;
+    // Seconds to the first token and to the end of one greedy request.
+    let mut run_one = |prompt: Vec<u32>, max_tokens: u32| -> Result<(f64, f64), ProfileRunError> {
+        id += 1;
+        engine.add(&request(id, prompt, max_tokens, 0.0))?;
+        let start = Instant::now();
+        let mut first = None;
+        loop {
+            if !engine.has_work() {
+                return Err(ProfileRunError::Invalid("a request ended without finishing".into()));
+            }
+            let out = engine.step()?;
+            if first.is_none() && out.events.iter().any(|e| e.token.is_some()) {
+                first = Some(start.elapsed().as_secs_f64());
+            }
+            if out.events.iter().any(|e| e.finish.is_some()) {
+                return Ok((first.unwrap_or(0.0), start.elapsed().as_secs_f64()));
+            }
+        }
+    };
+    let mut b = EngineBench::default();
+    // Run 0 is the untimed warm-up.
+    for r in 0..=reps.max(1) {
+        if pp > 0 {
+            let (ttft, _) = run_one((0..u64::from(pp)).map(|i| token(i, vocab)).collect(), 1)?;
+            if r > 0 {
+                b.pp_runs.push(f64::from(pp) / ttft);
+            }
+        }
+        if tg > 0 {
+            let (first, total) = run_one(vec![token(0, vocab)], tg + 1)?;
+            if r > 0 {
+                b.tg_runs.push(f64::from(tg) / (total - first));
+            }
+        }
+    }
+    Ok(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::setup::EngineSetup;
+
+    #[test]
+    fn bench_engine_reports_the_timed_runs_of_each_test() {
+        let prepared =
+            EngineSetup::tokenizer_free_mocker(1, 64, 32, 512, 1000.0).prepare().expect("mocker");
+        let mut engine = prepared.engine(0).expect("engine");
+        let b = bench_engine(&mut engine, 512, 40, 6, 3).expect("bench");
+        assert_eq!((b.pp_runs.len(), b.tg_runs.len()), (3, 3), "{b:?}");
+        assert!(b.pp_runs.iter().chain(&b.tg_runs).all(|&x| x > 0.0 && x.is_finite()), "{b:?}");
+        assert!(b.pp_median() > 0.0 && b.tg_median() > 0.0);
+        // A skipped test has no runs.
+        let b = bench_engine(&mut engine, 512, 0, 4, 2).expect("bench");
+        assert!(b.pp_runs.is_empty() && b.tg_runs.len() == 2 && b.pp_median() == 0.0);
+        // Every request finished: nothing is left on the engine.
+        assert!(!engine.has_work());
+    }
 }

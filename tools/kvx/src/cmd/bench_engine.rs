@@ -1,15 +1,10 @@
 //! `kvx bench engine`: prompt processing and token generation speed of the engine itself,
-//! measured like llama.cpp's `llama-bench` (pp: one batch of N prompt tokens; tg: N tokens
-//! generated one at a time), repeated, with the median reported. As llama-bench keeps one
-//! context and warms it up, one engine serves every run, without a prefix cache (its freed
-//! blocks are the next run's), and an untimed run of each test goes first: no timed run
-//! pays the first writes of a fresh KV cache (on huge pages, ~0.3 GB/s on some VMs).
-
-use std::time::Instant;
+//! measured like llama.cpp's `llama-bench` (`kvx_worker::profile::bench_engine`: pp, one
+//! batch of N prompt tokens; tg, N tokens generated one at a time; a warm-up first),
+//! repeated, with the median reported.
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kvx_proto::{GenerateRequest, RequestId, SamplingOptions, StopConditions};
 use kvx_worker::EngineKind;
 
 use super::Runtime;
@@ -19,13 +14,13 @@ use super::engine::EngineOpts;
 pub(crate) struct EngineBenchArgs {
     /// Prompt tokens per prompt-processing test (0 skips it).
     #[arg(long, default_value_t = 512)]
-    pp: usize,
+    pp: u32,
     /// Tokens per generation test (0 skips it).
     #[arg(long, default_value_t = 128)]
-    tg: usize,
+    tg: u32,
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 5)]
-    reps: usize,
+    reps: u32,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -35,7 +30,7 @@ pub(crate) struct EngineBenchArgs {
 
 pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
     let mut setup = args.engine.setup(rt, EngineKind::Model, true)?;
-    setup.limits.max_batched_tokens = setup.limits.max_batched_tokens.max(args.pp.max(1));
+    setup.limits.max_batched_tokens = setup.limits.max_batched_tokens.max(args.pp.max(1) as usize);
     setup.limits.max_num_seqs = 1;
     // Nothing cached between runs, as in a llama.cpp context cleared between them.
     setup.limits.prefix_caching = false;
@@ -43,56 +38,9 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
     let threads = setup.threads_per_engine;
     let kernels = setup.kernels;
     let n_vocab = prepared.model().context("model engines load a model")?.cfg.n_vocab as u32;
-    // Random-looking prompt tokens, as llama-bench uses.
-    let token = |i: usize| 100 + ((i as u64 * 2_654_435_761) % u64::from(n_vocab - 200)) as u32;
-    let mut pp = Vec::new();
-    let mut tg = Vec::new();
-    let mut id = 0u64;
     let mut engine = prepared.engine(0)?;
-    let mut run_one = |prompt: Vec<u32>, max_tokens: u32| -> Result<(f64, f64)> {
-        id += 1;
-        let req = GenerateRequest::new(
-            RequestId(id),
-            prompt,
-            SamplingOptions { temperature: 0.0, ..Default::default() },
-            StopConditions { max_tokens, ignore_eos: true, ..Default::default() },
-        );
-        engine.add(&req)?;
-        let start = Instant::now();
-        let mut first = None;
-        loop {
-            let out = engine.step()?;
-            if first.is_none() && out.events.iter().any(|e| e.token.is_some()) {
-                first = Some(start.elapsed().as_secs_f64());
-            }
-            if out.events.iter().any(|e| e.finish.is_some()) {
-                break;
-            }
-        }
-        Ok((first.unwrap_or(0.0), start.elapsed().as_secs_f64()))
-    };
-    // Run 0 is the untimed warm-up.
-    for r in 0..=args.reps.max(1) {
-        if args.pp > 0 {
-            let (ttft, _) = run_one((0..args.pp).map(token).collect(), 1)?;
-            if r > 0 {
-                pp.push(args.pp as f64 / ttft);
-            }
-        }
-        if args.tg > 0 {
-            // One prompt token, then `tg` single-token steps (the first sampled token comes
-            // from the prompt step, as in llama-bench's tg the first decode starts at once).
-            let (first, total) = run_one(vec![token(0)], args.tg as u32 + 1)?;
-            if r > 0 {
-                tg.push(args.tg as f64 / (total - first));
-            }
-        }
-    }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        if v.is_empty() { 0.0 } else { v[v.len() / 2] }
-    };
-    let (pp_med, tg_med) = (med(&mut pp), med(&mut tg));
+    let b = kvx_worker::profile::bench_engine(&mut engine, n_vocab, args.pp, args.tg, args.reps)?;
+    let (pp_med, tg_med) = (b.pp_median(), b.tg_median());
     let math = prepared.setup().effective_arith().name();
     if args.json {
         println!(
@@ -102,8 +50,8 @@ pub(crate) fn run(args: EngineBenchArgs, rt: &Runtime) -> Result<()> {
                 "threads": threads,
                 "kernels": kernels.label(),
                 "arithmetic": math,
-                "pp": args.pp, "pp_tok_s": pp_med, "pp_runs": pp,
-                "tg": args.tg, "tg_tok_s": tg_med, "tg_runs": tg,
+                "pp": args.pp, "pp_tok_s": pp_med, "pp_runs": b.pp_runs,
+                "tg": args.tg, "tg_tok_s": tg_med, "tg_runs": b.tg_runs,
             })
         );
     } else {
