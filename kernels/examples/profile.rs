@@ -36,8 +36,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seqs: Option<usize> = args.next().map(|s| s.parse()).transpose()?;
     let file = Arc::new(GgufFile::open(&path)?);
     let k = if std::env::var("AMX").is_ok_and(|v| v == "0") {
-        let best = cpu::Kernels::for_level(cpu::SimdLevel::detect()).ok_or("no kernels")?;
-        cpu::select_table(best.without_tiles())?
+        let plain = cpu::Kernels::for_level_with(cpu::SimdLevel::detect(), false);
+        cpu::select_table(plain.ok_or("no kernels")?)?
     } else {
         cpu::kernels()
     };

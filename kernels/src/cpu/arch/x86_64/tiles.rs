@@ -50,7 +50,7 @@ use std::ops::Range;
 use crate::cpu::gemm::Line;
 use crate::cpu::lanes::{
     LANE_ROWS, LaneJob, TILE_CORR, TILE_D, TILE_GROUP, TILE_REC_LINES, TILE_S, d_offset, rec_lines,
-    tile_chunks,
+    tile_chunks, tile_record_lines,
 };
 use crate::quant::GgmlType;
 
@@ -168,8 +168,7 @@ fn imp_run<const KIND: u8>(
     job.check(&rows);
     let tiles = rows.start / LANE_ROWS..rows.end / LANE_ROWS;
     let nb = job.w.nb();
-    let groups: usize = tile_chunks(job.n_tok).map(|(_, _, g)| g).sum();
-    assert!(acts.len() >= groups * nb * TILE_REC_LINES, "tile records");
+    assert!(acts.len() >= tile_record_lines(job.n_tok, nb), "tile records");
     if tiles.is_empty() {
         return;
     }
