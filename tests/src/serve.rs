@@ -24,6 +24,27 @@ impl Served {
 
     /// Like [`Served::start`] with extra environment variables.
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Served {
+        Self::start_cmd(args, |cmd| {
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+        })
+    }
+
+    /// Like [`Served::start`] with the KV cache `kvx serve` sizes by default (a quarter of
+    /// RAM, at most 4 GiB, shared by its engines), whatever budget the test run sets for its
+    /// servers (`KVX_KV_CACHE_BYTES`), and the default block size, arithmetic and sequence
+    /// limit that the cache's size in blocks depends on.
+    pub fn start_with_default_kv(args: &[&str]) -> Served {
+        Self::start_cmd(args, |cmd| {
+            for var in ["KVX_KV_CACHE_BYTES", "KVX_BLOCK_SIZE", "KVX_ARITH", "KVX_MAX_NUM_SEQS"] {
+                cmd.env_remove(var);
+            }
+        })
+    }
+
+    /// Starts `kvx serve` as [`Served::start`] does, with `adjust` applied to the command.
+    fn start_cmd(args: &[&str], adjust: impl FnOnce(&mut Command)) -> Served {
         use std::io::{BufRead, BufReader};
         let model = test_model();
         let mut cmd = Command::new(kvx_bin());
@@ -32,9 +53,7 @@ impl Served {
         if let Some(home) = std::env::var_os("KVX_HOME") {
             cmd.env("KVX_HOME", home);
         }
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
+        adjust(&mut cmd);
         let mut child = cmd.spawn().expect("spawning kvx serve");
         let stdout = child.stdout.take().expect("stdout");
         #[allow(clippy::disallowed_methods)] // a child's stdout lines: as many as it prints

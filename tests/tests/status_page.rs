@@ -117,9 +117,33 @@ fn colours(png_path: &Path) -> HashSet<[u8; 3]> {
     buf[..info.buffer_size()].chunks_exact(channels).map(|px| [px[0], px[1], px[2]]).collect()
 }
 
+/// KV blocks of the test model's default cache over `engines` engines: a quarter of RAM, at
+/// most 4 GiB, shared by them, in blocks of 16 tokens at 23,040 bytes a token (30 layers,
+/// keys and values of 3 heads of 64 halves).
+fn default_kv_blocks(engines: u64) -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("MemTotal");
+    let per_engine = (kib * 1024 / 4).min(4 << 30) / engines;
+    per_engine / (23_040 * 16) * engines
+}
+
 #[test]
 fn the_status_page_shows_the_fleet_and_live_latency() {
-    let s = Served::start(&["--engine", "model", "--shards", "2", "--threads-per-shard", "1"]);
+    // The KV cache as `kvx serve` sizes and makes resident by default (the test run gives
+    // other servers a smaller one).
+    let s = Served::start_with_default_kv(&[
+        "--engine",
+        "model",
+        "--shards",
+        "2",
+        "--threads-per-shard",
+        "1",
+    ]);
 
     // Streamed completions, two at a time, so that both workers see some and TTFT and ITL
     // have samples.
@@ -153,6 +177,7 @@ fn the_status_page_shows_the_fleet_and_live_latency() {
     assert_eq!(ids.len(), 2, "{v}");
     assert_ne!(ids[0], ids[1]);
     assert_eq!(v["totals"]["workers_up"], 2, "{v}");
+    assert_eq!(v["totals"]["kv_blocks_total"], default_kv_blocks(2), "{v}");
     assert_eq!(v["totals"]["requests_served"], 6, "{v}");
     let firsts: u64 = v["ttft"]["series"]
         .as_array()
