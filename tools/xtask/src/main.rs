@@ -4,20 +4,23 @@
 //!   as root; otherwise it stops and names them), pulls the default model, builds the
 //!   llama.cpp oracle (llama-cpp-python from PyPI, in a venv under `.kvx/`), builds the
 //!   release binary.
-//! * `cargo xtask test [-- ARGS]` — setup, then rustfmt, the tidy rules, clippy and
-//!   `cargo test --workspace --no-fail-fast ARGS` with the environment the tests expect; every
-//!   step runs even when one fails, and the run ends with `N passed, N failed`.
+//! * `cargo xtask test [-- ARGS]` — setup, then rustfmt, the tidy rules, clippy and every
+//!   test with the environment the tests expect: the test binaries two at a time
+//!   ([`runner`]), or with ARGS `cargo test --workspace --no-fail-fast ARGS`; every step runs
+//!   even when one fails, and the run ends with `N passed, N failed`.
 //! * `cargo xtask test --fast [-- ARGS]` — the inner loop: rustfmt, tidy and the unit tests
 //!   (`--lib --bins`) of every crate; no set-up, no model, no end-to-end suite.
 //! * `cargo xtask tidy` — the repository rules alone.
 //!
 //! Environment given to the tests: `KVX_BIN` (release binary), `KVX_TEST_MODEL` (the default
 //! GGUF), `KVX_ORACLE_PYTHON` (a python with `llama_cpp`), `KVX_HOME` (the model store),
-//! `KVX_HELM` and `KVX_KUBE_VALIDATE` (the deploy/ checkers, [`deploy_tools`]).
+//! `KVX_HELM` and `KVX_KUBE_VALIDATE` (the deploy/ checkers, [`deploy_tools`]),
+//! `KVX_KV_CACHE_BYTES` (the KV cache of the servers tests start, unless already set).
 
 mod deploy_tools;
 mod deps;
 mod needs;
+mod runner;
 mod tally;
 mod tidy;
 
@@ -91,6 +94,14 @@ fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// The KV cache of each engine of every `kvx` process a test starts without
+/// `--kv-cache-bytes` (512 MiB, room for ~23 k tokens of the test model; mock engines size
+/// their simulated cache by it too): `kvx serve` and `kvx worker` make their whole cache
+/// resident before they serve, and the default (a quarter of RAM, at most 4 GiB, shared by
+/// the engines) takes ~11 s of page zeroing on a small VM, for each of the suite's servers.
+/// The status-page test starts its server with the default, which keeps that path tested.
+const TEST_KV_CACHE_BYTES: &str = "536870912";
+
 /// What the tests need, as environment variables.
 struct TestEnv {
     vars: Vec<(String, String)>,
@@ -113,8 +124,10 @@ fn setup(root: &Path) -> Result<TestEnv> {
     let model = String::from_utf8(out.stdout)?.trim().to_string();
     let python = ensure_oracle(root)?;
     let deploy = deploy_tools::ensure(root, &host_python)?;
+    let kv_bytes = env::var("KVX_KV_CACHE_BYTES").unwrap_or_else(|_| TEST_KV_CACHE_BYTES.into());
     Ok(TestEnv {
         vars: vec![
+            ("KVX_KV_CACHE_BYTES".into(), kv_bytes),
             ("KVX_BIN".into(), bin.display().to_string()),
             ("KVX_HOME".into(), home.display().to_string()),
             ("KVX_TEST_MODEL".into(), model),
@@ -207,7 +220,8 @@ fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     Ok(python)
 }
 
-/// The full run: rustfmt, tidy, clippy and every test, each to its end.
+/// The full run: rustfmt, tidy, clippy and every test, each to its end; the test binaries
+/// two at a time ([`runner`]), or with extra arguments as `cargo test ARGS` runs them.
 fn run_checks(root: &Path, env: &TestEnv, extra: &[String]) -> Result<Tally> {
     let mut t = Tally::default();
     t.check("rustfmt", step(Command::new("cargo").current_dir(root).args(FMT)));
@@ -218,7 +232,11 @@ fn run_checks(root: &Path, env: &TestEnv, extra: &[String]) -> Result<Tally> {
     for (k, v) in &env.vars {
         test.env(k, v);
     }
-    tally::cargo_test(&mut test, &mut t)?;
+    if extra.is_empty() {
+        runner::run_all(root, &env.vars, &mut t)?;
+    } else {
+        tally::cargo_test(&mut test, &mut t)?;
+    }
     Ok(t)
 }
 
