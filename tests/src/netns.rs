@@ -10,9 +10,6 @@ pub struct Hosts {
     tag: String,
     names: Vec<String>,
     addrs: Vec<String>,
-    /// The lock on its subnet ([`claim_subnet`]), let go when the hosts are gone (after the
-    /// namespaces and links, dropped in field order after `Drop::drop`).
-    _claim: std::fs::File,
 }
 
 fn ip(args: &[&str]) {
@@ -28,13 +25,12 @@ fn ip(args: &[&str]) {
 impl Hosts {
     /// Creates `n` hosts.
     pub fn new(n: usize) -> Hosts {
-        // Names from the subnet, which this process holds alone (`claim_subnet`).
-        let (net, claim) = claim_subnet(std::process::id());
-        let tag = format!("kx{net}");
+        let pid = std::process::id();
+        let tag = format!("kx{}", pid % 100_000);
+        let net = 10 + pid % 240;
         let hub = format!("{tag}hub");
         ip(&["netns", "add", &hub]);
-        let mut h =
-            Hosts { tag: tag.clone(), names: vec![hub.clone()], addrs: Vec::new(), _claim: claim };
+        let mut h = Hosts { tag: tag.clone(), names: vec![hub.clone()], addrs: Vec::new() };
         ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"]);
         ip(&["-n", &hub, "link", "set", "br0", "up"]);
         // The test process's own leg.
@@ -70,46 +66,6 @@ impl Hosts {
     /// Host `i`'s address.
     pub fn addr(&self, i: usize) -> &str {
         &self.addrs[i]
-    }
-}
-
-/// A subnet `10.77.NET.0/24` no other test process holds (the test binaries of a run go
-/// two at a time), and the lock that holds it: an exclusive lock on `/tmp/kvx-e2e-net-NET`,
-/// tried from `pid % 240` on, which the kernel lets go when the process ends however it
-/// ends. What a process that held the subnet before left behind (it crashed past its drops)
-/// is removed first.
-fn claim_subnet(pid: u32) -> (u32, std::fs::File) {
-    for i in 0..240 {
-        let net = 10 + (pid + i) % 240;
-        let path = std::env::temp_dir().join(format!("kvx-e2e-net-{net}"));
-        let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(&path) else {
-            continue;
-        };
-        if file.try_lock().is_ok() {
-            remove_leftovers(net);
-            return (net, file);
-        }
-    }
-    panic!("no free test subnet in 10.77.10-249.0/24");
-}
-
-/// Deletes the namespaces and the test-side link of subnet `net`'s earlier holder, if any.
-fn remove_leftovers(net: u32) {
-    let tag = format!("kx{net}");
-    let _ = Command::new("ip")
-        .args(["link", "del", &format!("{tag}m")])
-        .stderr(std::process::Stdio::null())
-        .status();
-    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else { return };
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let name = line.split_whitespace().next().unwrap_or_default();
-        let ours = name
-            .strip_prefix(&tag)
-            .and_then(|r| r.strip_prefix('h'))
-            .is_some_and(|r| r == "ub" || (!r.is_empty() && r.bytes().all(|b| b.is_ascii_digit())));
-        if ours {
-            let _ = Command::new("ip").args(["netns", "del", name]).status();
-        }
     }
 }
 

@@ -4,10 +4,9 @@
 //!   as root; otherwise it stops and names them), pulls the default model, builds the
 //!   llama.cpp oracle (llama-cpp-python from PyPI, in a venv under `.kvx/`), builds the
 //!   release binary.
-//! * `cargo xtask test [-- ARGS]` — setup, then rustfmt, the tidy rules, clippy and every
-//!   test with the environment the tests expect: the test binaries two at a time
-//!   ([`runner`]), or with ARGS `cargo test --workspace --no-fail-fast ARGS`; every step runs
-//!   even when one fails, and the run ends with `N passed, N failed`.
+//! * `cargo xtask test [-- ARGS]` — setup, then rustfmt, the tidy rules, clippy and
+//!   `cargo test --workspace --no-fail-fast ARGS` with the environment the tests expect; every
+//!   step runs even when one fails, and the run ends with `N passed, N failed`.
 //! * `cargo xtask test --fast [-- ARGS]` — the inner loop: rustfmt, tidy and the unit tests
 //!   (`--lib --bins`) of every crate; no set-up, no model, no end-to-end suite.
 //! * `cargo xtask tidy` — the repository rules alone.
@@ -20,7 +19,6 @@
 mod deploy_tools;
 mod deps;
 mod needs;
-mod runner;
 mod tally;
 mod tidy;
 
@@ -220,8 +218,7 @@ fn ensure_oracle(root: &Path) -> Result<PathBuf> {
     Ok(python)
 }
 
-/// The full run: rustfmt, tidy, clippy and every test, each to its end; the test binaries
-/// two at a time ([`runner`]), or with extra arguments as `cargo test ARGS` runs them.
+/// The full run: rustfmt, tidy, clippy and every test, each to its end.
 fn run_checks(root: &Path, env: &TestEnv, extra: &[String]) -> Result<Tally> {
     let mut t = Tally::default();
     t.check("rustfmt", step(Command::new("cargo").current_dir(root).args(FMT)));
@@ -232,11 +229,7 @@ fn run_checks(root: &Path, env: &TestEnv, extra: &[String]) -> Result<Tally> {
     for (k, v) in &env.vars {
         test.env(k, v);
     }
-    if extra.is_empty() {
-        runner::run_all(root, &env.vars, &mut t)?;
-    } else {
-        tally::cargo_test(&mut test, &mut t)?;
-    }
+    tally::cargo_test(&mut test, &mut t)?;
     Ok(t)
 }
 
