@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvx_kernels::model::{LlamaModel, RefKv, RefScratch, SeqChunk};
+use kvx_kernels::model::{LlamaModel, RefKv, RefRounding, RefScratch, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 
 use crate::{Backend, EngineError};
@@ -15,6 +15,7 @@ pub struct ReferenceBackend {
     pool: ThreadPool,
     kv: RefKv,
     scratch: RefScratch,
+    round: RefRounding,
 }
 
 impl std::fmt::Debug for ReferenceBackend {
@@ -22,6 +23,7 @@ impl std::fmt::Debug for ReferenceBackend {
         f.debug_struct("ReferenceBackend")
             .field("kv", &self.kv)
             .field("threads", &self.pool.n_threads())
+            .field("round", &self.round)
             .finish()
     }
 }
@@ -39,14 +41,22 @@ impl ReferenceBackend {
     ) -> Result<Self, EngineError> {
         let kv = RefKv::new(&model.cfg, n_blocks, block_size)?;
         let scratch = RefScratch::new(&model, max_tokens, max_ctx, pool.max_threads());
-        Ok(ReferenceBackend { model, pool, kv, scratch })
+        Ok(ReferenceBackend { model, pool, kv, scratch, round: RefRounding::default() })
+    }
+
+    /// The same backend with `round`'s roundings added to the reference arithmetic (what a
+    /// would-be arithmetic's number formats alone cost; `kvx eval perplexity
+    /// --reference-rounding`).
+    pub fn with_rounding(mut self, round: RefRounding) -> Self {
+        self.round = round;
+        self
     }
 }
 
 impl Backend for ReferenceBackend {
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
-        let Self { model, pool, kv, scratch } = self;
-        pool.borrowing(|| model.forward_reference(pool, chunks, kv, scratch, logits))?;
+        let Self { model, pool, kv, scratch, round } = self;
+        pool.borrowing(|| model.forward_reference(pool, chunks, kv, scratch, round, logits))?;
         Ok(())
     }
 

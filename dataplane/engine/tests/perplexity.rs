@@ -2,7 +2,7 @@
 //! llama-perplexity scores them, the same numbers the scheduler's prompt scores give, a saved
 //! base that compares equal to itself and refuses another text, and the reference arithmetic
 //! (f32/f64, `ReferenceBackend`) close to the fast kernels, batch-invariant, and measured
-//! against them with the KL divergence.
+//! against them with the KL divergence, and with roundings added to it (`RefRounding`).
 //!
 //! Needs `KVX_TEST_MODEL` (the default model; `cargo xtask test` exports it).
 
@@ -12,7 +12,7 @@ use common::{engine, model, sched};
 use kvx_engine::eval::{self, Rows};
 use kvx_engine::{Backend, ModelBackend, ReferenceBackend};
 use kvx_kernels::cpu;
-use kvx_kernels::model::{Arith, AttnMode, LlamaModel, Logits, SeqChunk};
+use kvx_kernels::model::{Arith, AttnMode, LlamaModel, Logits, RefRounding, SeqChunk};
 use kvx_kernels::par::ThreadPool;
 use std::sync::Arc;
 
@@ -189,6 +189,50 @@ fn the_reference_arithmetic_is_close_to_the_kernels_batch_invariant_and_measured
     assert!(k.top1 > 0.9, "{k:?}");
     assert!((pe.ppl / pr.ppl - 1.0).abs() < 0.05, "{} vs {}", pe.ppl, pr.ppl);
     assert!((k.ppl_base / pr.ppl - 1.0).abs() < 1e-5, "{k:?}");
+}
+
+#[test]
+fn reference_roundings_parse_as_written_and_round_only_what_they_name() {
+    for spec in ["none", "kv=f16", "weights=bf16,acts=bf16,kv=f16", "acts=f16"] {
+        let r: RefRounding = spec.parse().expect(spec);
+        assert_eq!(r.to_string(), spec);
+    }
+    assert_eq!(" kv = f16 ".parse::<RefRounding>().expect("spaces").to_string(), "kv=f16");
+    for bad in ["", "kv", "kv=f32", "keys=f16", "kv=f16,kv=bf16", "weights=bf16,"] {
+        let err = bad.parse::<RefRounding>().expect_err(bad);
+        assert!(err.to_string().contains("reference rounding"), "{bad:?}: {err}");
+    }
+
+    let m = model();
+    let tok = common::tokenizer();
+    let p: Vec<u32> = tok
+        .encode("The capital of France is Paris, and the capital of Italy is", true)
+        .expect("encode");
+    let (n, v) = (p.len(), m.cfg.n_vocab);
+    let with = |spec: &str| reference(&m, 8).with_rounding(spec.parse().expect("spec"));
+    let plain = rows(&mut reference(&m, 8), &p, &[n]);
+    let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    // No rounding: the reference's bits.
+    assert!(bits(&rows(&mut with("none"), &p, &[n]), &plain));
+    let worst = |a: &[f32]| a.iter().zip(&plain).fold(0f32, |w, (x, y)| w.max((x - y).abs()));
+    // Each rounding reaches the values it names and moves the logits, the f16 cache least
+    // (11 significant bits, on the cached rows only), still near the reference; the three
+    // together stay batch-invariant.
+    let mut moved = Vec::new();
+    for spec in ["kv=f16", "weights=bf16", "acts=bf16", "weights=bf16,acts=bf16,kv=f16"] {
+        let mut b = with(spec);
+        let whole = rows(&mut b, &p, &[n]);
+        if spec.contains(',') {
+            assert!(bits(&rows(&mut b, &p, &[5, 1, n - 6]), &whole), "{spec}: batch invariance");
+        }
+        let w = worst(&whole);
+        assert!(w > 0.0 && w < 1.0, "{spec}: logits moved by up to {w}");
+        let argmax =
+            |r: &[f32]| r.iter().enumerate().fold(0, |b, (i, &x)| if x > r[b] { i } else { b });
+        assert_eq!(argmax(&whole[(n - 1) * v..]), argmax(&plain[(n - 1) * v..]), "{spec}");
+        moved.push(w);
+    }
+    assert!(moved[0] < moved[1] && moved[0] < moved[2] && moved[0] < moved[3], "{moved:?}");
 }
 
 #[test]

@@ -17,7 +17,9 @@ use kvx_engine::scheduler::SchedulerConfig;
 use kvx_engine::{Backend, Engine, EngineConfig, EngineError, ModelBackend, ReferenceBackend};
 use kvx_kernels::cpu::Kernels;
 use kvx_kernels::gguf::GgufFile;
-use kvx_kernels::model::{Arith, KvCache, KvLayout, KvMemory, LlamaConfig, LlamaModel};
+use kvx_kernels::model::{
+    Arith, KvCache, KvLayout, KvMemory, LlamaConfig, LlamaModel, RefRounding,
+};
 use kvx_kernels::par::{CoreLease, ThreadPool};
 use kvx_proto::WorkerId;
 use kvx_proto::plane::WorkerRole;
@@ -179,6 +181,9 @@ pub struct EngineSetup {
     /// Make each model engine's KV cache resident at start (servers: memory flat from the
     /// start, no page faults in steps) instead of as blocks are first used (tools, tests).
     pub prefault_kv: bool,
+    /// Roundings added to the reference arithmetic (only with `arith` =
+    /// [`Arith::Reference`]; `kvx eval perplexity --reference-rounding`).
+    pub reference_rounding: RefRounding,
 }
 
 /// Why engines could not be set up.
@@ -301,6 +306,7 @@ impl EngineSetup {
             kv_link: KvLinkConfig::default(),
             tiers: None,
             prefault_kv: false,
+            reference_rounding: RefRounding::default(),
         }
     }
 
@@ -392,6 +398,9 @@ impl EngineSetup {
         }
         if self.roles.len() > self.engines {
             return bad("more roles than engines");
+        }
+        if !self.reference_rounding.is_none() && self.arith != Some(Arith::Reference) {
+            return bad("reference roundings need the reference arithmetic (--arith reference)");
         }
         if self.arith == Some(Arith::Reference) && (self.tiers.is_some() || self.disaggregated()) {
             return bad(
@@ -709,7 +718,8 @@ impl Prepared {
         let (t, n) = (self.sched.max_batched_tokens, self.kv_blocks);
         Ok(match kv_memory {
             None if self.setup.arith == Some(Arith::Reference) => {
-                Box::new(ReferenceBackend::new(m, pool, n, bs, t, max_ctx)?)
+                let b = ReferenceBackend::new(m, pool, n, bs, t, max_ctx)?;
+                Box::new(b.with_rounding(self.setup.reference_rounding))
             }
             None => {
                 let mut b = ModelBackend::new(m, k, pool, n, bs, t, max_ctx)?;
@@ -959,7 +969,7 @@ mod tests {
     }
 
     #[test]
-    fn the_reference_arithmetic_refuses_tiers_and_roles() {
+    fn the_reference_arithmetic_refuses_tiers_and_roles_and_alone_takes_roundings() {
         let model = || {
             let mut s = EngineSetup::new(
                 EngineKind::Model,
@@ -977,6 +987,16 @@ mod tests {
         s.engines = 2;
         s.roles = vec![WorkerRole::Prefill, WorkerRole::Decode];
         assert!(matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("reference")));
+        // Roundings added to the reference arithmetic: with it only.
+        let mut s = model();
+        s.reference_rounding = "kv=f16".parse().expect("spec");
+        assert!(s.validate().is_ok());
+        for arith in [None, Some(Arith::Exact), Some(Arith::Split)] {
+            s.arith = arith;
+            assert!(
+                matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("--arith reference"))
+            );
+        }
         // `fast` is `exact` where the level has no row-lane kernels.
         let mut s = model();
         s.arith = Some(Arith::Fast);

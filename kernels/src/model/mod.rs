@@ -12,7 +12,7 @@ mod weights;
 pub use config::{LlamaConfig, RopeKind};
 pub use forward::{Logits, Scratch, SeqChunk};
 pub use kv::{KvCache, KvLayout, KvMemory};
-pub use reference::{RefKv, RefScratch};
+pub use reference::{RefKv, RefRounding, RefRoundingError, RefScratch, RoundTo};
 pub use weights::{LayerWeights, LlamaModel, MatRef};
 
 pub use crate::ops::AttnMode;

@@ -8,6 +8,11 @@
 //! --arith reference --save-logits`, then `--kl-divergence` with another arithmetic): slow
 //! (portable scalar code, weights dequantized row by row on every step), and written for
 //! clarity. No sum crosses tokens, so a token's bits never depend on its batch.
+//!
+//! [`RefRounding`] adds chosen roundings to it (weights, the products' inputs, the cached
+//! keys and values, each to bf16 or f16, round to nearest even) and nothing else, so that
+//! what a would-be arithmetic's number formats alone cost in distance is measured before
+//! any kernel for it is written (kernels/PERF.md).
 
 use std::sync::Mutex;
 
@@ -16,6 +21,110 @@ use super::{LlamaConfig, LlamaModel, Logits, ModelError, RopeKind, SeqChunk};
 use crate::cpu::disjoint::DisjointOut;
 use crate::ops::QMatrix;
 use crate::par::{ThreadPool, split_range};
+
+/// A number format that [`RefRounding`] rounds values to (to nearest, ties to even).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundTo {
+    /// bfloat16: 8 significant bits, f32's range.
+    Bf16,
+    /// IEEE half: 11 significant bits.
+    F16,
+}
+
+impl RoundTo {
+    fn round(self, x: f32) -> f32 {
+        match self {
+            RoundTo::Bf16 => half::bf16::from_f32(x).to_f32(),
+            RoundTo::F16 => half::f16::from_f32(x).to_f32(),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            RoundTo::Bf16 => "bf16",
+            RoundTo::F16 => "f16",
+        }
+    }
+}
+
+/// Roundings added to the reference arithmetic (module docs); the default adds none, and
+/// then every bit is the reference's. Written and parsed as `weights=bf16,acts=bf16,kv=f16`
+/// (any of the three, each `bf16` or `f16`), or `none`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RefRounding {
+    /// Every weight row, as it is dequantized for a product (the output head's included).
+    pub weights: Option<RoundTo>,
+    /// Every product's input (each token's activations), before the product.
+    pub acts: Option<RoundTo>,
+    /// Keys and values, as they are written to the cache.
+    pub kv: Option<RoundTo>,
+}
+
+impl RefRounding {
+    /// Whether it adds no rounding.
+    pub fn is_none(&self) -> bool {
+        *self == RefRounding::default()
+    }
+}
+
+impl std::fmt::Display for RefRounding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = [("weights", self.weights), ("acts", self.acts), ("kv", self.kv)]
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={}", v.name())))
+            .collect();
+        if parts.is_empty() { f.write_str("none") } else { f.write_str(&parts.join(",")) }
+    }
+}
+
+/// A [`RefRounding`] that does not parse.
+#[derive(Debug, thiserror::Error)]
+#[error("reference rounding {spec:?}: {why}")]
+pub struct RefRoundingError {
+    spec: String,
+    why: String,
+}
+
+impl std::str::FromStr for RefRounding {
+    type Err = RefRoundingError;
+
+    fn from_str(s: &str) -> Result<Self, RefRoundingError> {
+        let bad = |why: String| RefRoundingError { spec: s.to_string(), why };
+        let mut r = RefRounding::default();
+        if s.trim() == "none" {
+            return Ok(r);
+        }
+        for part in s.split(',').map(str::trim) {
+            let Some((key, fmt)) = part.split_once('=') else {
+                return Err(bad(format!("{part:?} is not `what=format`")));
+            };
+            let fmt = match fmt.trim() {
+                "bf16" => RoundTo::Bf16,
+                "f16" => RoundTo::F16,
+                other => return Err(bad(format!("unknown format {other:?} (bf16 or f16)"))),
+            };
+            let slot = match key.trim() {
+                "weights" => &mut r.weights,
+                "acts" => &mut r.acts,
+                "kv" => &mut r.kv,
+                other => return Err(bad(format!("unknown part {other:?} (weights, acts or kv)"))),
+            };
+            if slot.replace(fmt).is_some() {
+                return Err(bad(format!("{:?} given twice", key.trim())));
+            }
+        }
+        Ok(r)
+    }
+}
+
+/// Rounds every value of `v` to `to`, if any.
+fn round_all(v: &mut [f32], to: Option<RoundTo>) {
+    if let Some(to) = to {
+        for x in v {
+            *x = to.round(*x);
+        }
+    }
+}
 
 /// A paged f32 KV cache: per block and layer, `block_size` key rows then `block_size` value
 /// rows of `kv_dim` f32 each.
@@ -212,11 +321,13 @@ fn rope64(x: &mut [f32], pos: u32, cfg: &LlamaConfig, freq_factors: Option<&[f32
 }
 
 /// `out[t · rows + r] = Σ_c w[r][c] · x[t · cols + c]` over `n` tokens, each weight row
-/// dequantized once per call, each sum in f64.
+/// dequantized once per call (then rounded to `round_w`, if any), each sum in f64.
+#[allow(clippy::too_many_arguments)]
 fn matmul64(
     pool: &ThreadPool,
     per_thread: &[Mutex<RefThread>],
     w: &QMatrix<'_>,
+    round_w: Option<RoundTo>,
     x: &[f32],
     n: usize,
     tmp: &mut [f32],
@@ -242,6 +353,7 @@ fn matmul64(
                     failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     return;
                 }
+                round_all(row, round_w);
                 for (tok, o) in o[j * n..(j + 1) * n].iter_mut().enumerate() {
                     *o = dot64(row, &x[tok * cols..(tok + 1) * cols]) as f32;
                 }
@@ -272,13 +384,16 @@ fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
 impl LlamaModel {
     /// One step in the reference arithmetic (module docs), over an f32 cache: the rows of
     /// every chunk that wants them ([`Logits`]: `Argmax` rows are full rows here) go to the
-    /// front of `logits`, in chunk order; returns how many rows were written.
+    /// front of `logits`, in chunk order; returns how many rows were written. `round` adds
+    /// its roundings ([`RefRounding`]; the default adds none).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_reference(
         &self,
         pool: &ThreadPool,
         chunks: &[SeqChunk<'_>],
         kv: &mut RefKv,
         s: &mut RefScratch,
+        round: &RefRounding,
         logits: &mut [f32],
     ) -> Result<usize, ModelError> {
         let c = &self.cfg;
@@ -322,11 +437,13 @@ impl LlamaModel {
             for t in 0..n {
                 rmsnorm64(&s.x[t * d..(t + 1) * d], &l.attn_norm, c.norm_eps, &mut s.xn[t * d..]);
             }
+            round_all(&mut s.xn[..n * d], round.acts);
             let xn = &s.xn[..n * d];
             let pt = &s.per_thread;
-            matmul64(pool, pt, &self.view(&l.wq)?, xn, n, &mut s.tmp, &mut s.q)?;
-            matmul64(pool, pt, &self.view(&l.wk)?, xn, n, &mut s.tmp, &mut s.k)?;
-            matmul64(pool, pt, &self.view(&l.wv)?, xn, n, &mut s.tmp, &mut s.v)?;
+            let w = round.weights;
+            matmul64(pool, pt, &self.view(&l.wq)?, w, xn, n, &mut s.tmp, &mut s.q)?;
+            matmul64(pool, pt, &self.view(&l.wk)?, w, xn, n, &mut s.tmp, &mut s.k)?;
+            matmul64(pool, pt, &self.view(&l.wv)?, w, xn, n, &mut s.tmp, &mut s.v)?;
             add_bias(&mut s.q[..n * qd], l.bq.as_deref());
             add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
             add_bias(&mut s.v[..n * kvd], l.bv.as_deref());
@@ -343,6 +460,8 @@ impl LlamaModel {
                     (kv.row(li, 0, table, pos as usize), kv.row(li, 1, table, pos as usize));
                 kv.data[ko..ko + kvd].copy_from_slice(&s.k[t * kvd..(t + 1) * kvd]);
                 kv.data[vo..vo + kvd].copy_from_slice(&s.v[t * kvd..(t + 1) * kvd]);
+                round_all(&mut kv.data[ko..ko + kvd], round.kv);
+                round_all(&mut kv.data[vo..vo + kvd], round.kv);
             }
 
             // Attention, parallel over (token, query head) units: unit `u` writes
@@ -396,21 +515,26 @@ impl LlamaModel {
                 return Err(ModelError::Batch("reference attention failed".into()));
             }
 
-            matmul64(pool, pt, &self.view(&l.wo)?, &s.attn[..n * qd], n, &mut s.tmp, &mut s.xn)?;
+            round_all(&mut s.attn[..n * qd], round.acts);
+            let wo = self.view(&l.wo)?;
+            matmul64(pool, pt, &wo, w, &s.attn[..n * qd], n, &mut s.tmp, &mut s.xn)?;
             for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
                 *x += o;
             }
             for t in 0..n {
                 rmsnorm64(&s.x[t * d..(t + 1) * d], &l.ffn_norm, c.norm_eps, &mut s.xn[t * d..]);
             }
+            round_all(&mut s.xn[..n * d], round.acts);
             let xn = &s.xn[..n * d];
-            matmul64(pool, pt, &self.view(&l.w_gate)?, xn, n, &mut s.tmp, &mut s.gate)?;
-            matmul64(pool, pt, &self.view(&l.w_up)?, xn, n, &mut s.tmp, &mut s.up)?;
+            matmul64(pool, pt, &self.view(&l.w_gate)?, w, xn, n, &mut s.tmp, &mut s.gate)?;
+            matmul64(pool, pt, &self.view(&l.w_up)?, w, xn, n, &mut s.tmp, &mut s.up)?;
             for (u, &g) in s.up[..n * ff].iter_mut().zip(&s.gate[..n * ff]) {
                 let g = f64::from(g);
                 *u = (g / (1.0 + (-g).exp()) * f64::from(*u)) as f32;
             }
-            matmul64(pool, pt, &self.view(&l.w_down)?, &s.up[..n * ff], n, &mut s.tmp, &mut s.xn)?;
+            round_all(&mut s.up[..n * ff], round.acts);
+            let wd = self.view(&l.w_down)?;
+            matmul64(pool, pt, &wd, w, &s.up[..n * ff], n, &mut s.tmp, &mut s.xn)?;
             for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
                 *x += o;
             }
@@ -428,9 +552,11 @@ impl LlamaModel {
                 &mut s.out_x[j * d..(j + 1) * d],
             );
         }
+        round_all(&mut s.out_x[..m * d], round.acts);
         let head = self.view(&self.output)?;
         let out = &mut logits[..m * c.n_vocab];
-        matmul64(pool, &s.per_thread, &head, &s.out_x[..m * d], m, &mut s.tmp, out)?;
+        let pt = &s.per_thread;
+        matmul64(pool, pt, &head, round.weights, &s.out_x[..m * d], m, &mut s.tmp, out)?;
         Ok(m)
     }
 }

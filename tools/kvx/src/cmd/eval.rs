@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
+use kvx_kernels::model::RefRounding;
 use kvx_worker::EngineKind;
 use kvx_worker::eval::PROMPT_BATCH;
 use kvx_worker::eval::{RowFiles, loglikelihoods, perplexity_of_text_upto, read_inputs};
@@ -62,6 +63,12 @@ struct PerplexityArgs {
     /// `ppl_base`).
     #[arg(long)]
     json: bool,
+    /// With `--arith reference`: roundings added to it and nothing else, to measure what a
+    /// would-be arithmetic's number formats alone cost: `weights=bf16,acts=bf16,kv=f16`
+    /// (any of the three: every weight as dequantized, every product's input, the cached
+    /// keys and values; each `bf16` or `f16`), or `none`.
+    #[arg(long, value_name = "SPEC", default_value = "none")]
+    reference_rounding: RefRounding,
     #[command(flatten)]
     engine: EngineOpts,
 }
@@ -90,7 +97,7 @@ pub(crate) fn run(args: EvalArgs, rt: &Runtime) -> Result<()> {
 
 fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let text = read(&args.file)?;
-    let prepared = prepare(&args.engine, rt, 1)?;
+    let prepared = prepare(&args.engine, rt, 1, args.reference_rounding)?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let mut backend = prepared.backend()?;
     let mut files = RowFiles::open(
@@ -103,7 +110,10 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let (p, n_text) =
         perplexity_of_text_upto(backend.as_mut(), bs, tok, &text, shape, files.rows())?;
     files.finish()?;
-    let arith = prepared.setup().effective_arith().name();
+    let arith = match args.reference_rounding {
+        r if r.is_none() => prepared.setup().effective_arith().name().to_string(),
+        r => format!("{} ({r})", prepared.setup().effective_arith().name()),
+    };
     if args.json {
         let mut v = serde_json::to_value(&p)?;
         v["ctx"] = args.ctx.into();
@@ -124,7 +134,7 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
 
 fn loglik(args: LoglikArgs, rt: &Runtime) -> Result<()> {
     let text = read(&args.file)?;
-    let prepared = prepare(&args.engine, rt, args.concurrency)?;
+    let prepared = prepare(&args.engine, rt, args.concurrency, RefRounding::default())?;
     let tok = prepared.tokenizer().context("the model has no tokenizer")?;
     let inputs = read_inputs(tok, &text)?;
     if inputs.is_empty() {
@@ -150,9 +160,16 @@ fn read(path: &std::path::Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
 }
 
-/// The model's engine set-up for this process, sized for `concurrency` sequences.
-fn prepare(opts: &EngineOpts, rt: &Runtime, concurrency: usize) -> Result<kvx_worker::Prepared> {
+/// The model's engine set-up for this process, sized for `concurrency` sequences, with
+/// `rounding` added to the reference arithmetic.
+fn prepare(
+    opts: &EngineOpts,
+    rt: &Runtime,
+    concurrency: usize,
+    rounding: RefRounding,
+) -> Result<kvx_worker::Prepared> {
     let mut setup = opts.setup(rt, EngineKind::Model, true)?;
+    setup.reference_rounding = rounding;
     setup.limits.max_num_seqs = setup.limits.max_num_seqs.min(concurrency.max(1));
     // Windows run in llama.cpp's prompt batches.
     setup.limits.max_batched_tokens = setup.limits.max_batched_tokens.max(PROMPT_BATCH);
