@@ -6,7 +6,10 @@
 //! work alone (from a matrix dequantized once), as GMAC/s of useful multiply-adds
 //! (`T × 1,536 × 576`; a last partial token tile is computed whole, so the figure is a floor).
 //! Before timing, some outputs are checked against the same weights dequantized and rounded
-//! one by one (so the pair layout is the instruction's). Compare `RATES=1 MATH=fast profile
+//! one by one (so the pair layout is the instruction's). The weights' nibbles are taken as
+//! a load-time repacking would lay them out (a byte per row holds a pair's two quants), and
+//! a weight is `bf16(fma(d, q, m))`; an arithmetic would fix its own dequantization (the
+//! reference's is `q · d + m`, two roundings), at the same cost. Compare `RATES=1 MATH=fast profile
 //! MODEL 1 T` (the int8 `Fast` products, "hot").
 //!
 //! `cargo run --release -p kvx-kernels --example bf16tiles`
@@ -52,7 +55,9 @@ fn main() {
             *v = if i < 16 { 0.001 + 0.01 * r } else { -0.08 * r };
         }
     }
-    let mut b_all = vec![Line([0; 64]); groups * nb * 16];
+    // One 32-row strip's B tiles (2 groups × `nb` blocks × 16 lines: 36 KiB), dequantized
+    // again for every strip, as a kernel would.
+    let mut strip_b = vec![Line([0; 64]); 2 * nb * 16];
     println!("T      whole GMAC/s   dequant only GMAC/s   tiles only GMAC/s");
     for t in [1usize, 8, 16, 32, 64, 130] {
         let tiles_t = t.div_ceil(16);
@@ -69,8 +74,10 @@ fn main() {
         let mut c = vec![Line([0; 64]); tiles_t * 16 * (R / 16)];
         // The layouts checked once: some outputs against the same weights dequantized and
         // rounded one by one, summed in f64.
-        // SAFETY: as for the timed calls below.
-        unsafe { product(0, &quants, &scales, &mut b_all, &a, &mut c, groups, nb, tiles_t) };
+        // SAFETY: the buffers are sized for `groups`, `nb` and `tiles_t` as `product` needs;
+        // AMX-BF16 and AVX512-BF16 were checked above, and `tiles_granted` implies the
+        // AVX-512 level (F, BW) `product` is compiled for.
+        unsafe { product(0, &quants, &scales, &mut strip_b, &a, &mut c, groups, nb, tiles_t) };
         for (tok, row) in [(0, 0), (t - 1, R - 1), (t / 2, 777)] {
             let (g, n) = (row / 16, row % 16);
             let mut want = 0f64;
@@ -99,7 +106,17 @@ fn main() {
                     // SAFETY: buffers sized for `groups`, `nb` and `tiles_t` as `product` needs;
                     // AMX-BF16 and AVX512-BF16 checked above.
                     unsafe {
-                        product(mode, &quants, &scales, &mut b_all, &a, &mut c, groups, nb, tiles_t)
+                        product(
+                            mode,
+                            &quants,
+                            &scales,
+                            &mut strip_b,
+                            &a,
+                            &mut c,
+                            groups,
+                            nb,
+                            tiles_t,
+                        )
                     };
                 }
                 best = best.min(start.elapsed().as_secs_f64());
@@ -131,13 +148,13 @@ fn config() -> Line {
     Line(c)
 }
 
-/// Mode 0: per 32-row strip, dequantize its blocks into `b_all`, then the tile products of
+/// Mode 0: per 32-row strip, dequantize its blocks into `strip_b`, then the tile products of
 /// every token tile; mode 1: the dequantization only; mode 2: the tile products only (from
-/// `b_all` as it is).
+/// `strip_b` as it is, for every strip).
 ///
 /// # Safety
 /// AMX-BF16 granted, AVX512-BF16 present; `quants` holds `groups · nb · 4` lines, `scales`
-/// `groups · nb`, `b_all` `groups · nb · 16`, `a` `tiles_t · 16 · nb`, `c` `tiles_t · 16 ·
+/// `groups · nb`, `strip_b` `2 · nb · 16`, `a` `tiles_t · 16 · nb`, `c` `tiles_t · 16 ·
 /// groups`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
@@ -146,7 +163,7 @@ unsafe fn product(
     mode: usize,
     quants: &[Line],
     scales: &[[f32; 32]],
-    b_all: &mut [Line],
+    strip_b: &mut [Line],
     a: &[Line],
     c: &mut [Line],
     groups: usize,
@@ -184,7 +201,7 @@ unsafe fn product(
                         // SAFETY: 32 bf16 are 64 bytes, any bit pattern an integer vector.
                         let packed: __m512i = unsafe { std::mem::transmute(bh) };
                         let pairs = _mm512_permutexvar_epi16(interleave, packed);
-                        let dst = &mut b_all[rec * 16 + j];
+                        let dst = &mut strip_b[((g % 2) * nb + blk) * 16 + j];
                         // SAFETY: a 64-byte aligned line.
                         unsafe { _mm512_store_si512(dst.0.as_mut_ptr().cast(), pairs) };
                     }
@@ -198,13 +215,13 @@ unsafe fn product(
         let mut tt = 0;
         while tt < tiles_t {
             let two = tt + 1 < tiles_t;
-            // SAFETY: tiles zeroed, loaded from lines inside `a` and `b_all`, stored into `c`.
+            // SAFETY: tiles zeroed, loaded from lines inside `a` and `strip_b`, stored into `c`.
             unsafe { asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3") };
             for blk in 0..nb {
                 let a0 = a[(tt * nb + blk) * 16..].as_ptr();
                 let a1 = a[((tt + usize::from(two)) * nb + blk) * 16..].as_ptr();
-                let b0 = b_all[(g0 * nb + blk) * 16..].as_ptr();
-                let b1 = b_all[(g1 * nb + blk) * 16..].as_ptr();
+                let b0 = strip_b[blk * 16..].as_ptr();
+                let b1 = strip_b[(nb + blk) * 16..].as_ptr();
                 // SAFETY: 16 lines at each pointer.
                 unsafe {
                     asm!(

@@ -56,7 +56,7 @@ impl ReferenceBackend {
 impl Backend for ReferenceBackend {
     fn forward(&mut self, chunks: &[SeqChunk<'_>], logits: &mut [f32]) -> Result<(), EngineError> {
         let Self { model, pool, kv, scratch, round } = self;
-        pool.borrowing(|| model.forward_reference(pool, chunks, kv, scratch, round, logits))?;
+        pool.borrowing(|| model.forward_reference(pool, chunks, kv, scratch, *round, logits))?;
         Ok(())
     }
 

@@ -198,7 +198,7 @@ fn reference_roundings_parse_as_written_and_round_only_what_they_name() {
         assert_eq!(r.to_string(), spec);
     }
     assert_eq!(" kv = f16 ".parse::<RefRounding>().expect("spaces").to_string(), "kv=f16");
-    for bad in ["", "kv", "kv=f32", "keys=f16", "kv=f16,kv=bf16", "weights=bf16,"] {
+    for bad in ["", "kv", "kv=f32", "keys=f16", "kv=f16,kv=bf16", "weights=bf16,", "none,kv=f16"] {
         let err = bad.parse::<RefRounding>().expect_err(bad);
         assert!(err.to_string().contains("reference rounding"), "{bad:?}: {err}");
     }
@@ -222,6 +222,7 @@ fn reference_roundings_parse_as_written_and_round_only_what_they_name() {
     for spec in ["kv=f16", "weights=bf16", "acts=bf16", "weights=bf16,acts=bf16,kv=f16"] {
         let mut b = with(spec);
         let whole = rows(&mut b, &p, &[n]);
+        assert!(whole.iter().all(|x| x.is_finite()), "{spec}");
         if spec.contains(',') {
             assert!(bits(&rows(&mut b, &p, &[5, 1, n - 6]), &whole), "{spec}: batch invariance");
         }

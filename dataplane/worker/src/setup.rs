@@ -991,7 +991,7 @@ mod tests {
         let mut s = model();
         s.reference_rounding = "kv=f16".parse().expect("spec");
         assert!(s.validate().is_ok());
-        for arith in [None, Some(Arith::Exact), Some(Arith::Split)] {
+        for arith in [None, Some(Arith::Exact), Some(Arith::Fast), Some(Arith::Split)] {
             s.arith = arith;
             assert!(
                 matches!(s.validate(), Err(SetupError::Invalid(m)) if m.contains("--arith reference"))

@@ -9,8 +9,8 @@
 //! (portable scalar code, weights dequantized row by row on every step), and written for
 //! clarity. No sum crosses tokens, so a token's bits never depend on its batch.
 //!
-//! [`RefRounding`] adds chosen roundings to it (weights, the products' inputs, the cached
-//! keys and values, each to bf16 or f16, round to nearest even) and nothing else, so that
+//! [`RefRounding`] adds chosen roundings to it (weights, the weight products' inputs, the
+//! cached keys and values, each to bf16 or f16, round to nearest even) and nothing else, so that
 //! what a would-be arithmetic's number formats alone cost in distance is measured before
 //! any kernel for it is written (kernels/PERF.md).
 
@@ -54,7 +54,8 @@ impl RoundTo {
 pub struct RefRounding {
     /// Every weight row, as it is dequantized for a product (the output head's included).
     pub weights: Option<RoundTo>,
-    /// Every product's input (each token's activations), before the product.
+    /// Every weight product's input (each token's activations), before the product;
+    /// attention's own products (queries, scores, probabilities) are not rounded.
     pub acts: Option<RoundTo>,
     /// Keys and values, as they are written to the cache.
     pub kv: Option<RoundTo>,
@@ -95,6 +96,9 @@ impl std::str::FromStr for RefRounding {
             return Ok(r);
         }
         for part in s.split(',').map(str::trim) {
+            if part == "none" {
+                return Err(bad("`none` stands alone".into()));
+            }
             let Some((key, fmt)) = part.split_once('=') else {
                 return Err(bad(format!("{part:?} is not `what=format`")));
             };
@@ -321,14 +325,16 @@ fn rope64(x: &mut [f32], pos: u32, cfg: &LlamaConfig, freq_factors: Option<&[f32
 }
 
 /// `out[t · rows + r] = Σ_c w[r][c] · x[t · cols + c]` over `n` tokens, each weight row
-/// dequantized once per call (then rounded to `round_w`, if any), each sum in f64.
+/// dequantized once per call, each sum in f64. `round`'s roundings of weights and inputs
+/// come first: the input in place (every input buffer feeds products only, and rounding
+/// it again is a no-op), each weight row as it is dequantized.
 #[allow(clippy::too_many_arguments)]
 fn matmul64(
     pool: &ThreadPool,
     per_thread: &[Mutex<RefThread>],
     w: &QMatrix<'_>,
-    round_w: Option<RoundTo>,
-    x: &[f32],
+    round: RefRounding,
+    x: &mut [f32],
     n: usize,
     tmp: &mut [f32],
     out: &mut [f32],
@@ -337,6 +343,8 @@ fn matmul64(
     if x.len() < n * cols || out.len() < n * rows || tmp.len() < n * rows {
         return Err(ModelError::Batch("reference product buffers too small".into()));
     }
+    round_all(&mut x[..n * cols], round.acts);
+    let x = &x[..n * cols];
     let failed = std::sync::atomic::AtomicBool::new(false);
     {
         let t = DisjointOut::new(&mut tmp[..n * rows]);
@@ -353,7 +361,7 @@ fn matmul64(
                     failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     return;
                 }
-                round_all(row, round_w);
+                round_all(row, round.weights);
                 for (tok, o) in o[j * n..(j + 1) * n].iter_mut().enumerate() {
                     *o = dot64(row, &x[tok * cols..(tok + 1) * cols]) as f32;
                 }
@@ -393,7 +401,7 @@ impl LlamaModel {
         chunks: &[SeqChunk<'_>],
         kv: &mut RefKv,
         s: &mut RefScratch,
-        round: &RefRounding,
+        round: RefRounding,
         logits: &mut [f32],
     ) -> Result<usize, ModelError> {
         let c = &self.cfg;
@@ -437,13 +445,11 @@ impl LlamaModel {
             for t in 0..n {
                 rmsnorm64(&s.x[t * d..(t + 1) * d], &l.attn_norm, c.norm_eps, &mut s.xn[t * d..]);
             }
-            round_all(&mut s.xn[..n * d], round.acts);
-            let xn = &s.xn[..n * d];
+            let xn = &mut s.xn[..n * d];
             let pt = &s.per_thread;
-            let w = round.weights;
-            matmul64(pool, pt, &self.view(&l.wq)?, w, xn, n, &mut s.tmp, &mut s.q)?;
-            matmul64(pool, pt, &self.view(&l.wk)?, w, xn, n, &mut s.tmp, &mut s.k)?;
-            matmul64(pool, pt, &self.view(&l.wv)?, w, xn, n, &mut s.tmp, &mut s.v)?;
+            matmul64(pool, pt, &self.view(&l.wq)?, round, xn, n, &mut s.tmp, &mut s.q)?;
+            matmul64(pool, pt, &self.view(&l.wk)?, round, xn, n, &mut s.tmp, &mut s.k)?;
+            matmul64(pool, pt, &self.view(&l.wv)?, round, xn, n, &mut s.tmp, &mut s.v)?;
             add_bias(&mut s.q[..n * qd], l.bq.as_deref());
             add_bias(&mut s.k[..n * kvd], l.bk.as_deref());
             add_bias(&mut s.v[..n * kvd], l.bv.as_deref());
@@ -515,26 +521,23 @@ impl LlamaModel {
                 return Err(ModelError::Batch("reference attention failed".into()));
             }
 
-            round_all(&mut s.attn[..n * qd], round.acts);
             let wo = self.view(&l.wo)?;
-            matmul64(pool, pt, &wo, w, &s.attn[..n * qd], n, &mut s.tmp, &mut s.xn)?;
+            matmul64(pool, pt, &wo, round, &mut s.attn[..n * qd], n, &mut s.tmp, &mut s.xn)?;
             for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
                 *x += o;
             }
             for t in 0..n {
                 rmsnorm64(&s.x[t * d..(t + 1) * d], &l.ffn_norm, c.norm_eps, &mut s.xn[t * d..]);
             }
-            round_all(&mut s.xn[..n * d], round.acts);
-            let xn = &s.xn[..n * d];
-            matmul64(pool, pt, &self.view(&l.w_gate)?, w, xn, n, &mut s.tmp, &mut s.gate)?;
-            matmul64(pool, pt, &self.view(&l.w_up)?, w, xn, n, &mut s.tmp, &mut s.up)?;
+            let xn = &mut s.xn[..n * d];
+            matmul64(pool, pt, &self.view(&l.w_gate)?, round, xn, n, &mut s.tmp, &mut s.gate)?;
+            matmul64(pool, pt, &self.view(&l.w_up)?, round, xn, n, &mut s.tmp, &mut s.up)?;
             for (u, &g) in s.up[..n * ff].iter_mut().zip(&s.gate[..n * ff]) {
                 let g = f64::from(g);
                 *u = (g / (1.0 + (-g).exp()) * f64::from(*u)) as f32;
             }
-            round_all(&mut s.up[..n * ff], round.acts);
             let wd = self.view(&l.w_down)?;
-            matmul64(pool, pt, &wd, w, &s.up[..n * ff], n, &mut s.tmp, &mut s.xn)?;
+            matmul64(pool, pt, &wd, round, &mut s.up[..n * ff], n, &mut s.tmp, &mut s.xn)?;
             for (x, o) in s.x[..n * d].iter_mut().zip(&s.xn[..n * d]) {
                 *x += o;
             }
@@ -552,11 +555,10 @@ impl LlamaModel {
                 &mut s.out_x[j * d..(j + 1) * d],
             );
         }
-        round_all(&mut s.out_x[..m * d], round.acts);
         let head = self.view(&self.output)?;
         let out = &mut logits[..m * c.n_vocab];
         let pt = &s.per_thread;
-        matmul64(pool, pt, &head, round.weights, &s.out_x[..m * d], m, &mut s.tmp, out)?;
+        matmul64(pool, pt, &head, round, &mut s.out_x[..m * d], m, &mut s.tmp, out)?;
         Ok(m)
     }
 }

@@ -65,8 +65,9 @@ struct PerplexityArgs {
     json: bool,
     /// With `--arith reference`: roundings added to it and nothing else, to measure what a
     /// would-be arithmetic's number formats alone cost: `weights=bf16,acts=bf16,kv=f16`
-    /// (any of the three: every weight as dequantized, every product's input, the cached
-    /// keys and values; each `bf16` or `f16`), or `none`.
+    /// (any of the three: every weight as dequantized, every weight product's input, the
+    /// cached keys and values; each `bf16` or `f16`), or `none`. With `--json`, named in
+    /// `reference_rounding`.
     #[arg(long, value_name = "SPEC", default_value = "none")]
     reference_rounding: RefRounding,
     #[command(flatten)]
@@ -110,20 +111,25 @@ fn perplexity(args: PerplexityArgs, rt: &Runtime) -> Result<()> {
     let (p, n_text) =
         perplexity_of_text_upto(backend.as_mut(), bs, tok, &text, shape, files.rows())?;
     files.finish()?;
-    let arith = match args.reference_rounding {
-        r if r.is_none() => prepared.setup().effective_arith().name().to_string(),
-        r => format!("{} ({r})", prepared.setup().effective_arith().name()),
-    };
+    let arith = prepared.setup().effective_arith().name();
+    let rounding = args.reference_rounding;
     if args.json {
         let mut v = serde_json::to_value(&p)?;
         v["ctx"] = args.ctx.into();
         v["arith"] = arith.into();
+        if !rounding.is_none() {
+            v["reference_rounding"] = rounding.to_string().into();
+        }
         println!("{v}");
     } else {
         println!(
             "perplexity {:.4} over {} tokens ({} windows of {}; {n_text} tokens in the text; \
-             {arith} arithmetic)",
-            p.ppl, p.scored, p.chunks, args.ctx
+             {arith} arithmetic{})",
+            p.ppl,
+            p.scored,
+            p.chunks,
+            args.ctx,
+            if rounding.is_none() { String::new() } else { format!(", rounded: {rounding}") }
         );
         if let Some(k) = &p.kl {
             println!("{k}");
