@@ -68,13 +68,17 @@ def main():
             rows.append((f"pp512 tok/s, {t} thread(s)", med(kpp), med(lpp), r_pp, None, "", runs_pp))
         rows.append((f"tg128 tok/s, {t} thread(s)", med(ktg), med(ltg), r_tg, 1.5, verdict(r_tg, 1.5), runs_tg))
 
-    # kvx serve's one stream: its decode rate, 1000 / mean time per output token (ms).
-    one = []
-    for r in range(1, runs + 1):
-        doc = load(f"{out}/kvx_serve_one.{r}.json")
-        run = (doc or {}).get("runs", [{}])[0] if doc else {}
-        tpot = ((run.get("latency_ms") or {}).get("tpot") or {}).get("mean")
-        one.append(1000.0 / tpot if tpot else None)
+    # kvx serve's one stream: its decode rate, 1000 / mean time per output token (ms); and
+    # the same on a server that does not lend idle cores (`--no-lend-cores`).
+    def one_stream(name):
+        rates = []
+        for r in range(1, runs + 1):
+            doc = load(f"{out}/{name}.{r}.json")
+            run = (doc or {}).get("runs", [{}])[0] if doc else {}
+            tpot = ((run.get("latency_ms") or {}).get("tpot") or {}).get("mean")
+            rates.append(1000.0 / tpot if tpot else None)
+        return rates
+    one, one_nolend = one_stream("kvx_serve_one"), one_stream("kvx_serve_one_nolend")
     ks, ls = [], []
     for r in range(1, runs + 1):
         for side, acc in (("kvx_serve", ks), ("llama_serve", ls)):
@@ -109,6 +113,12 @@ def main():
             rows.append(("kvx serve 16 streams' decode (16 / mean TPOT) / 1 stream's, tok/s",
                          med(dec), med(one), ratio(med(dec), med(one)), None, "",
                          [ratio(a, b) for a, b in zip(dec, one)]))
+        if any(one_nolend):
+            # Also for reading the scaling row (no target): the one stream of a server that
+            # keeps each shard on its own core, as the 16 streams' shards are.
+            rows.append(("kvx serve 16 streams / 1 stream's decode with --no-lend-cores, tok/s",
+                         k_tps, med(one_nolend), ratio(k_tps, med(one_nolend)), None, "",
+                         [ratio(a["tps"], b) for a, b in zip(ks, one_nolend)]))
         k_ttft, l_ttft = med([x["ttft"] for x in ks]), med([x["ttft"] for x in ls])
         r_ttft = ratio(k_ttft, l_ttft)
         rows.append(("serve TTFT p50 ms (lower wins)", k_ttft, l_ttft, r_ttft, 1.0,

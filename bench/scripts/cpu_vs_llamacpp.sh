@@ -6,7 +6,9 @@
 #     `kvx serve` vs `llama-server --parallel 16 --cont-batching`, both driven by `kvx bench`
 #     with the same workload; output tokens/s, TTFT p50 and the servers' peak RSS (VmHWM);
 #     and kvx serve's 16 streams against one stream on the same server (its decode rate,
-#     1 / mean time per output token), the scaling ratio.
+#     1 / mean time per output token), the scaling ratio; and, for reading it (no target),
+#     one stream on a server started with `--no-lend-cores` (its shard on one core, where
+#     the default lends it the idle ones).
 # Prints the ratio table (kvx / llama.cpp) against the targets.
 #
 # The peer is llama.cpp as vendored in the llama-cpp-python sdist from PyPI, built once
@@ -15,8 +17,9 @@
 # Usage: bench/scripts/cpu_vs_llamacpp.sh [runs]
 #   env: KVX (default target/release/kvx), MODEL (GGUF; default the catalogue's default
 #   model), PEER_DIR (default .kvx/peer), THREADS (default "1 2"), SKIP_ENGINE=1,
-#   SKIP_SERVE=1, SERVE_REQUESTS (default 64), ONE_REQUESTS (one stream's; default 6), SHARDS (kvx serve engine shards, default one
-#   per core), KV_BYTES (KV budget per shard, default 134217728), LLAMA_CTX (llama-server
+#   SKIP_SERVE=1, SERVE_REQUESTS (default 64), ONE_REQUESTS (one stream's; default 6),
+#   SKIP_NO_LEND=1 (no `--no-lend-cores` one-stream run), SHARDS (kvx serve engine shards,
+#   default one per core), KV_BYTES (KV budget per shard, default 134217728), LLAMA_CTX (llama-server
 #   context, default 8192), PORT_BASE (default 18470), OUT_DIR (raw results; default
 #   .kvx/cpu_vs_llamacpp/<time>).
 set -euo pipefail
@@ -143,6 +146,17 @@ if [ -z "${SKIP_SERVE:-}" ]; then
     server_pid=$!
     drive_one kvx_serve "$port" "$out/kvx_serve_one.$r.json"
     drive kvx_serve "$port" "$out/kvx_serve.$r.json"
+    if [ -z "${SKIP_NO_LEND:-}" ]; then
+      echo "serving run $r: kvx serve --no-lend-cores, one stream ..." >&2
+      port=$((PORT_BASE + 100 + r))
+      "$KVX" serve --model "$MODEL" --port "$port" --shards "$SHARDS" \
+        --kv-cache-bytes "$KV_BYTES" --no-lend-cores > "$out/kvx_serve_nolend.$r.log" 2>&1 &
+      server_pid=$!
+      drive_one kvx_serve_nolend "$port" "$out/kvx_serve_one_nolend.$r.json"
+      kill "$server_pid"
+      wait "$server_pid" 2>/dev/null || true
+      server_pid=""
+    fi
     echo "serving run $r: llama-server ..." >&2
     port=$((PORT_BASE + 2 * r + 1))
     "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$port" --parallel 16 --cont-batching \
