@@ -19,8 +19,8 @@
 #   model), PEER_DIR (default .kvx/peer), THREADS (default "1 2"), SKIP_ENGINE=1,
 #   SKIP_SERVE=1, SERVE_REQUESTS (default 64), ONE_REQUESTS (one stream's; default 6),
 #   SKIP_NO_LEND=1 (no `--no-lend-cores` one-stream run), SHARDS (kvx serve engine shards,
-#   default one per core), KV_BYTES (KV budget per shard, default 134217728), LLAMA_CTX (llama-server
-#   context, default 8192), PORT_BASE (default 18470), OUT_DIR (raw results; default
+#   default one per core), KV_BYTES (KV budget per shard, default 134217728), LLAMA_CTX
+#   (llama-server context, default 8192), PORT_BASE (default 18470), OUT_DIR (raw results; default
 #   .kvx/cpu_vs_llamacpp/<time>).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

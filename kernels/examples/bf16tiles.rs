@@ -9,8 +9,8 @@
 //! one by one (so the pair layout is the instruction's). The weights' nibbles are taken as
 //! a load-time repacking would lay them out (a byte per row holds a pair's two quants), and
 //! a weight is `bf16(fma(d, q, m))`; an arithmetic would fix its own dequantization (the
-//! reference's is `q · d + m`, two roundings), at the same cost. Compare `RATES=1 MATH=fast profile
-//! MODEL 1 T` (the int8 `Fast` products, "hot").
+//! reference's is `q · d + m`, two roundings), at the same cost. Compare `RATES=1
+//! MATH=fast profile MODEL 1 T` (the int8 `Fast` products, "hot").
 //!
 //! `cargo run --release -p kvx-kernels --example bf16tiles`
 

@@ -10,9 +10,9 @@
 //! clarity. No sum crosses tokens, so a token's bits never depend on its batch.
 //!
 //! [`RefRounding`] adds chosen roundings to it (weights, the weight products' inputs, the
-//! cached keys and values, each to bf16 or f16, round to nearest even) and nothing else, so that
-//! what a would-be arithmetic's number formats alone cost in distance is measured before
-//! any kernel for it is written (kernels/PERF.md).
+//! cached keys and values, each to bf16 or f16, round to nearest even) and nothing else, so
+//! that what a would-be arithmetic's number formats alone cost in distance is measured
+//! before any kernel for it is written (kernels/PERF.md).
 
 use std::sync::Mutex;
 
